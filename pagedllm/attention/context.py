@@ -1,0 +1,48 @@
+"""The attention Context: what the current step's attention layers need to find their KV.
+
+Set by the ModelRunner before the forward pass and read by every Attention layer, so the
+model code keeps the plain (positions, hidden_states) interface (as in nano-vllm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    is_prefill: bool = False
+    # Prefill: cumulative query / key lengths of the packed sequences ([num_seqs + 1]).
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    # Cache slot (block_id * block_size + offset) of every new token; -1 = don't store.
+    slot_mapping: torch.Tensor | None = None
+    # Decode: tokens each sequence attends to, including the new one ([num_seqs]).
+    context_lens: torch.Tensor | None = None
+    # [num_seqs, max_blocks] physical block ids, -1 padded; for decode and for prefill
+    # over a cached prefix (None when no prompt in the batch has a cache hit).
+    block_tables: torch.Tensor | None = None
+    # Host copies of the lengths, so CPU kernels need not sync or convert.
+    seqlens_q: list[int] | None = None
+    seqlens_k: list[int] | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(**kwargs: object) -> Context:
+    global _CONTEXT
+    _CONTEXT = Context(**kwargs)  # type: ignore[arg-type]
+    return _CONTEXT
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = Context()

@@ -1,0 +1,114 @@
+"""EngineConfig: every engine knob in one validated place, shared by LLM(...) and the CLI."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _opt(help: str, **kw: Any) -> Any:
+    default = kw.pop("default")
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineConfig:
+    """Engine options, named as in vLLM where vLLM has the option."""
+
+    model: str | None = _opt("GGUF file or HF directory (default: the bundled SmolLM2-135M-Instruct)",
+                             default=None, cli=False)
+    dtype: str = _opt("weights and activations dtype: auto, float32, bfloat16",
+                      default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    max_model_len: int | None = _opt("longest prompt + output in tokens (default: the model's)",
+                                     default=None)
+    max_num_seqs: int = _opt("most sequences in one batch", default=256)
+    max_num_batched_tokens: int | None = _opt(
+        "most tokens in one forward pass (default: max(8192, max_model_len))", default=None)
+    block_size: int = _opt("tokens per KV-cache block", default=16)
+    enable_prefix_caching: bool = _opt("share KV blocks of identical prompt prefixes", default=True)
+    kv_cache_memory_bytes: int | None = _opt(
+        "KV-cache budget in bytes (overrides --kv-cache-memory-fraction)", default=None)
+    kv_cache_memory_fraction: float = _opt("KV-cache budget as a fraction of available RAM",
+                                           default=0.25)
+    tensor_parallel_size: int = _opt("number of tensor-parallel processes", default=1)
+    enforce_eager: bool = _opt("never compile the model (torch.compile)", default=False)
+    seed: int = _opt("seed of the sampler's shared random generator", default=0)
+    num_threads: int | None = _opt("torch intra-op threads (default: all cores)", default=None)
+    check_invariants: bool = _opt("verify KV block accounting after every step", default=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        positive_int("max_model_len", allow_none=True)
+        positive_int("max_num_seqs")
+        positive_int("max_num_batched_tokens", allow_none=True)
+        positive_int("block_size")
+        positive_int("tensor_parallel_size")
+        positive_int("num_threads", allow_none=True)
+        positive_int("kv_cache_memory_bytes", allow_none=True)
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
+                             f"got {self.kv_cache_memory_fraction!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): without chunked prefill a whole prompt runs in one step")
+
+    def resolve(self, model_max_len: int) -> None:
+        """Fill the defaults that depend on the model."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(8192, self.max_model_len)
+        self._validate()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype] if self.dtype != "auto" else default_dtype()
+
+    # ---- CLI ----------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help = f"{f.metadata['help']} (default: {f.default})"
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                    default=f.default, help=help)
+                continue
+            ftype = {"int": int, "int | None": int, "float": float, "str": str}.get(f.type, str)
+            parser.add_argument(flag, dest=f.name, type=ftype, default=f.default, help=help,
+                                choices=f.metadata.get("choices"))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
+        kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(args, f.name)}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def default_dtype() -> torch.dtype:
+    """float32 everywhere for now; bfloat16 becomes the default once measured faster."""
+    return torch.float32

@@ -1,0 +1,176 @@
+"""ModelRunner: owns the model and the KV cache, turns scheduled sequences into tensors,
+runs the forward pass and samples (seeds 000 and 002)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from pagedllm.attention.context import get_context, reset_context, set_context
+from pagedllm.config import EngineConfig
+from pagedllm.engine.sequence import Sequence
+from pagedllm.layers.sampler import SamplingBatch, sample
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 weights: "object") -> None:
+        self.config = config
+        self.model_config = model_config
+        self.block_size = config.block_size
+        self.dtype = config.torch_dtype
+        self.generator = torch.Generator().manual_seed(config.seed)
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+
+        t = time.perf_counter()
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            self.model = model_class(model_config)(model_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights(weights)  # type: ignore[attr-defined]
+        self.model.eval()
+        logger.info("loaded %s (%s, %d layers) in %.1f s", model_config.name or model_config.architecture,
+                    str(self.dtype).removeprefix("torch."), model_config.num_hidden_layers,
+                    time.perf_counter() - t)
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+
+    # ---- KV cache -----------------------------------------------------------------------------
+
+    def kv_block_bytes(self) -> int:
+        mc = self.model_config
+        return (2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads
+                * mc.head_dim * self.dtype.itemsize)
+
+    def allocate_kv_cache(self) -> int:
+        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] within the budget."""
+        cfg, mc = self.config, self.model_config
+        if cfg.kv_cache_memory_bytes is not None:
+            budget, source = cfg.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+        else:
+            budget = int(available_memory_bytes() * cfg.kv_cache_memory_fraction)
+            source = f"{cfg.kv_cache_memory_fraction:.0%} of available RAM"
+        block_bytes = self.kv_block_bytes()
+        num_blocks = budget // block_bytes
+        # More than every sequence at full length can use is wasted memory.
+        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        num_blocks = min(num_blocks, cfg.max_num_seqs * blocks_per_seq)
+        if num_blocks < 1:
+            raise ValueError(f"KV-cache budget of {budget} bytes ({source}) is smaller than one "
+                             f"block of {block_bytes} bytes; raise the budget or lower block_size")
+        self.kv_cache = torch.empty(2, mc.num_hidden_layers, num_blocks, self.block_size,
+                                    mc.num_key_value_heads, mc.head_dim, dtype=self.dtype)
+        layer = 0
+        for module in self.model.modules():
+            if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
+                module.k_cache = self.kv_cache[0, layer]
+                module.v_cache = self.kv_cache[1, layer]
+                layer += 1
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (budget: %s)",
+                    num_blocks, self.block_size, num_blocks * self.block_size,
+                    num_blocks * block_bytes / 2**20, source)
+        return num_blocks
+
+    # ---- input preparation ----------------------------------------------------------------
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        return torch.from_numpy(tables)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        seqlens_q: list[int] = []
+        seqlens_k: list[int] = []
+        bs = self.block_size
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, len(seq)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            seqlens_q.append(end - start)
+            seqlens_k.append(end)
+            for pos in range(start, end, bs):  # start is block aligned
+                block_start = seq.block_table[pos // bs] * bs
+                slot_mapping.extend(range(block_start, block_start + min(bs, end - pos)))
+        block_tables = self._block_tables(seqs) if sum(seqlens_k) > sum(seqlens_q) else None
+        set_context(
+            is_prefill=True,
+            cu_seqlens_q=torch.tensor(np.cumsum([0] + seqlens_q)),
+            cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k)),
+            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            block_tables=block_tables, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+        return torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        bs = self.block_size
+        slot_mapping = [seq.block_table[-1] * bs + seq.last_block_num_tokens - 1 for seq in seqs]
+        set_context(
+            is_prefill=False,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            context_lens=torch.tensor([len(seq) for seq in seqs], dtype=torch.int64),
+            block_tables=self._block_tables(seqs))
+        return torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+
+    def prepare_sample(self, seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBatch:
+        params = [seq.sampling_params for seq in seqs]
+        vocab = self.model_config.vocab_size
+        banned = []
+        for row, (seq, sp) in enumerate(zip(seqs, params)):
+            if seq.num_completion_tokens < sp.min_tokens:
+                banned.append((row, [*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids]))
+        all_greedy = all(sp.temperature == 0 for sp in params)
+        if all_greedy:
+            return SamplingBatch(torch.zeros(len(seqs)), None, None, None, [], True, banned)
+        top_ks = [sp.top_k if sp.top_k > 0 else vocab for sp in params]
+        top_ps = [sp.top_p for sp in params]
+        min_ps = [sp.min_p for sp in params]
+        return SamplingBatch(
+            temperatures=torch.tensor([sp.temperature for sp in params], dtype=torch.float32),
+            top_ks=torch.tensor(top_ks) if any(k < vocab for k in top_ks) else None,
+            top_ps=torch.tensor(top_ps) if any(p < 1 for p in top_ps) else None,
+            min_ps=torch.tensor(min_ps) if any(p > 0 for p in min_ps) else None,
+            generators=[seq.generator for seq in seqs],
+            all_greedy=False, banned=banned)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: list[int]) -> list[int]:
+        input_ids, positions = (self.prepare_prefill(seqs) if is_prefill
+                                else self.prepare_decode(seqs))
+        try:
+            hidden = self.model(input_ids, positions)
+            if is_prefill:  # logits only for each prompt's last token
+                hidden = hidden[get_context().cu_seqlens_q[1:] - 1]
+            logits = self.model.compute_logits(hidden)  # type: ignore[attr-defined]
+        finally:
+            reset_context()
+        batch = self.prepare_sample(seqs, eos_token_ids)
+        return sample(logits, batch, self.generator).tolist()

@@ -1,0 +1,98 @@
+"""Sequence: one stream of tokens and the block table that maps it onto the KV cache."""
+from __future__ import annotations
+
+from enum import Enum, auto
+from itertools import count
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A request's tokens (prompt + generated) and its logical -> physical block map.
+
+    block_table[i] is the physical block holding tokens [i * block_size, (i + 1) * block_size).
+    num_cached_tokens is how many leading tokens were found in the prefix cache at
+    allocation and are not recomputed.
+    """
+
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 request_id: str | None = None, arrival_time: float = 0.0) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_cached_tokens = 0
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []   # chained hashes of full blocks, filled lazily
+        self.sampling_params = sampling_params
+        # A seeded request samples from its own generator: reproducible in any batch.
+        self.generator = (torch.Generator().manual_seed(sampling_params.seed)
+                          if sampling_params.seed is not None else None)
+        self.finish_reason: str | None = None   # "stop", "length" or "abort"
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return len(self.token_ids) - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block i."""
+        assert 0 <= i < self.num_blocks
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, {self.status.name}, "
+                f"tokens={len(self)}, cached={self.num_cached_tokens}, blocks={self.block_table})")

