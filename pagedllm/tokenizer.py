@@ -182,20 +182,18 @@ class Tokenizer:
         backend, add_bos_default = _build_gguf_backend(model_type, tokens, token_types, metadata)
         _add_gguf_special_tokens(backend, tokens, token_types)
 
-        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-        eos_ids = [metadata.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-        eos_ids = [i for i in eos_ids if i is not None and 0 <= i < len(tokens)]
+        def token_id(key: str) -> int | None:
+            index = metadata.get(f"tokenizer.ggml.{key}_token_id")
+            return index if index is not None and 0 <= index < len(tokens) else None
+
+        bos_id = token_id("bos")
+        eos_ids = [i for i in (token_id("eos"), token_id("eot"), token_id("eom")) if i is not None]
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default))
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         _set_special_post_processor(backend, tokens, bos_id if add_bos else None,
                                     eos_ids[0] if add_eos and eos_ids else None)
-
-        def token_at(key: str) -> str | None:
-            index = metadata.get(f"tokenizer.ggml.{key}")
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-        special = {"bos_token": token_at("bos_token_id"), "eos_token": token_at("eos_token_id"),
-                   "unk_token": token_at("unknown_token_id"), "pad_token": token_at("padding_token_id")}
+        special = {f"{name}_token": tokens[i] if (i := token_id(key)) is not None else None
+                   for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
         return cls(backend, eos_token_ids=eos_ids, bos_token_id=bos_id,
                    chat_template=metadata.get("tokenizer.chat_template"),
                    special_tokens=special, vocab_size=len(tokens))
@@ -299,12 +297,19 @@ def _byte_level_bpe(tokens: list[str], metadata: Mapping[str, Any]) -> Backend:
         logger.warning("unknown GGUF pre-tokenizer %r; using the GPT-2 default split", pre)
         splits = _PRE_TOKENIZER_SPLITS["default"]
     vocab = {token: index for index, token in enumerate(tokens)}
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES_PRE))
+    backend = Backend(_bpe_model(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES_PRE))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _bpe_model(**kwargs: Any) -> models.BPE:
+    try:
+        return models.BPE(**kwargs)
+    except Exception as exc:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+        raise ModelLoadError(f"inconsistent GGUF tokenizer vocabulary: {exc}") from exc
 
 
 def _split_merge(merge: str) -> tuple[str, str]:
@@ -323,7 +328,7 @@ def _sentencepiece_bpe(tokens: list[str], token_types: list[int], metadata: Mapp
         [(t, s) for t, s, k in zip(tokens, scores, token_types) if k in mergeable], vocab)
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unk,
+    backend = Backend(_bpe_model(vocab=vocab, merges=merges, unk_token=unk,
                                  fuse_unk=True, byte_fallback=True))
     add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(

@@ -9,7 +9,8 @@ function returns ``[n_blocks, block_size]`` float32 values.
 
 The arithmetic is done in float32 in the same order as ggml's reference dequantizers
 (e.g. ``(d * sc) * q - dmin * m`` for Q4_K), so results are bit-identical to
-``gguf.quants.dequantize``.
+``gguf.quants.dequantize``. The float steps run in place on the one output buffer: fresh
+large allocations (page faults) dominate the cost otherwise.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _nibbles(packed: torch.Tensor, group: int) -> torch.Tensor:
     """
     n = packed.shape[0]
     runs = packed.reshape(n, -1, 1, group) >> _shifts(0, 4, shape=(1, 1, 2, 1))
-    return (runs & 0x0F).reshape(n, -1)
+    return runs.bitwise_and_(0x0F).reshape(n, -1)
 
 
 def _bit_planes(packed: torch.Tensor) -> torch.Tensor:
@@ -106,19 +107,19 @@ def _dequant_bf16(raw: torch.Tensor) -> torch.Tensor:
 def _dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16_column(blocks, 0)
     q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
-    return q * d
+    return q.mul_(d)
 
 
 def _dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16_column(blocks, 0)
-    q = _nibbles(blocks[:, 2:], 16).to(torch.float32) - 8.0
-    return d * q
+    q = _nibbles(blocks[:, 2:], 16).to(torch.float32).sub_(8.0)
+    return q.mul_(d)
 
 
 def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m = _f16_column(blocks, 0), _f16_column(blocks, 2)
     q = _nibbles(blocks[:, 4:], 16).to(torch.float32)
-    return d * q + m
+    return q.mul_(d).add_(m)
 
 
 def _five_bit_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -128,14 +129,14 @@ def _five_bit_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16_column(blocks, 0)
-    q = _five_bit_quants(blocks[:, 2:6], blocks[:, 6:]).to(torch.float32) - 16.0
-    return d * q
+    q = _five_bit_quants(blocks[:, 2:6], blocks[:, 6:]).to(torch.float32).sub_(16.0)
+    return q.mul_(d)
 
 
 def _dequant_q5_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m = _f16_column(blocks, 0), _f16_column(blocks, 2)
     q = _five_bit_quants(blocks[:, 4:8], blocks[:, 8:]).to(torch.float32)
-    return d * q + m
+    return q.mul_(d).add_(m)
 
 
 # ----------------------------------------------------------------------------- k-quants (256 elements/block)
@@ -147,7 +148,7 @@ def _dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     dl = (d * (scales & 0x0F).to(torch.float32)).unsqueeze(-1)
     ml = (dmin * (scales >> 4).to(torch.float32)).unsqueeze(-1)
     q = _crumbs(qs, 32).to(torch.float32).reshape(n, 16, 16)
-    return (dl * q - ml).reshape(n, QK_K)
+    return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ def _dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     # a cleared high bit means "subtract 4" (the quant is signed, -4..3)
     high_cleared = (1 - _bit_planes(hmask)).to(torch.int16)
     q = (low - 4 * high_cleared).to(torch.float32).reshape(n, 16, 16)
-    return (dl * q).reshape(n, QK_K)
+    return q.mul_(dl).reshape(n, QK_K)
 
 
 def _dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,7 @@ def _dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     scales, mins = _k_scales_and_mins(blocks[:, 4:16])
     dl, ml = (d * scales).unsqueeze(-1), (dmin * mins).unsqueeze(-1)
     q = _nibbles(blocks[:, 16:144], 32).to(torch.float32).reshape(n, 8, 32)
-    return (dl * q - ml).reshape(n, QK_K)
+    return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -187,7 +188,7 @@ def _dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     dl, ml = (d * scales).unsqueeze(-1), (dmin * mins).unsqueeze(-1)
     qh, qs = blocks[:, 16:48], blocks[:, 48:176]
     q = (_nibbles(qs, 32) | (_bit_planes(qh) << 4)).to(torch.float32).reshape(n, 8, 32)
-    return (dl * q - ml).reshape(n, QK_K)
+    return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -197,8 +198,8 @@ def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16_column(blocks, 208)
     dl = (d * scales).unsqueeze(-1)
     six_bit = _nibbles(ql, 64) | (_crumbs(qh, 32) << 4)
-    q = (six_bit.to(torch.int16) - 32).to(torch.float32).reshape(n, 16, 16)
-    return (dl * q).reshape(n, QK_K)
+    q = six_bit.to(torch.float32).sub_(32.0).reshape(n, 16, 16)
+    return q.mul_(dl).reshape(n, QK_K)
 
 
 _DEQUANTIZERS: dict[GGMLQuantizationType, _Dequantizer] = {

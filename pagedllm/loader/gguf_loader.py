@@ -23,7 +23,6 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.tokenizer import Tokenizer
 
 from .dequant import dequantize
 from .errors import ModelLoadError
@@ -65,6 +64,8 @@ def load_gguf(path: str) -> ModelSource:
         ModelLoadError: missing file, not a GGUF / truncated / corrupt, unsupported
             architecture, missing required metadata, or tensors we cannot map.
     """
+    from pagedllm.tokenizer import Tokenizer  # deferred: pagedllm.tokenizer imports this package
+
     reader = open_gguf(path)
     metadata = read_metadata(reader, path)
     _reject_split_files(metadata, path)
@@ -199,11 +200,10 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
     heads = int(_require(metadata, key("attention.head_count"), path))
     kv_heads = int(metadata.get(key("attention.head_count_kv")) or heads)
     tensor_names = {t.name for t in reader.tensors}
-    tokens = metadata.get("tokenizer.ggml.tokens") or []
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(metadata.get(key("vocab_size")) or len(tokens) or _require(metadata, key("vocab_size"), path)),
+        vocab_size=_vocab_size(metadata, arch, path),
         hidden_size=hidden,
         intermediate_size=int(_require(metadata, key("feed_forward_length"), path)),
         num_hidden_layers=int(_require(metadata, key("block_count"), path)),
@@ -220,6 +220,15 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         name=metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0],
     )
+
+
+def _vocab_size(metadata: dict[str, Any], arch: str, path: str) -> int:
+    """``{arch}.vocab_size`` if the converter wrote it, else the length of the token list."""
+    size = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
+    if not size:
+        raise ModelLoadError(f"{path!r}: neither {arch + '.vocab_size'!r} nor a token list "
+                             f"(tokenizer.ggml.tokens) gives the vocabulary size")
+    return int(size)
 
 
 # ============================================================================ rope scaling

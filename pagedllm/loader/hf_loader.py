@@ -4,16 +4,18 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from safetensors import safe_open
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.tokenizer import Tokenizer
 
 from .errors import ModelLoadError
 from .source import ModelSource
+
+if TYPE_CHECKING:
+    from pagedllm.tokenizer import Tokenizer
 
 # HF architecture class / model_type -> ModelConfig.architecture
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -28,9 +30,12 @@ def load_hf_dir(path: str) -> ModelSource:
         ModelLoadError: no config.json, unsupported architecture, missing keys or
             safetensors files.
     """
+    from pagedllm.tokenizer import Tokenizer  # deferred: pagedllm.tokenizer imports this package
+
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory {path!r} does not exist")
     hf_config = _read_config(path)
+    _architecture(hf_config, path)  # fail on the architecture before looking for weights
     files = safetensors_files(path)
     names = _tensor_names(files)
     config = config_from_hf(hf_config, path, has_lm_head="lm_head.weight" in names)
