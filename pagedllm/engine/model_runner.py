@@ -78,7 +78,9 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"KV-cache budget of {budget} bytes ({source}) is smaller than one "
                              f"block of {block_bytes} bytes; raise the budget or lower block_size")
-        self.kv_cache = torch.empty(2, mc.num_hidden_layers, num_blocks, self.block_size,
+        # Zeroed, not empty: attention reads padded / masked slots too, and a NaN left in
+        # uninitialised memory survives a zero softmax weight (0 * NaN = NaN).
+        self.kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size,
                                     mc.num_key_value_heads, mc.head_dim, dtype=self.dtype)
         layer = 0
         for module in self.model.modules():

@@ -138,3 +138,31 @@ def test_random_workloads_keep_invariants_and_free_everything(seed, num_blocks, 
     assert all(b.ref_count == 0 for b in bm.blocks)
     for seq in seqs:
         assert seq.finish_reason in ("length", "abort")
+
+
+def test_prefix_hit_after_preemption_resumes_correctly():
+    """nano-vllm #211: a preempted sequence whose blocks are still cached is re-admitted
+    with a prefix hit, computes only what is missing, and its block table stays consistent."""
+    s = make_scheduler(num_blocks=6)
+    a = Sequence(list(range(1, 9)), SamplingParams(max_tokens=30, ignore_eos=True), BS)
+    b = Sequence(list(range(50, 58)), SamplingParams(max_tokens=30, ignore_eos=True), BS)
+    s.add(a)
+    s.add(b)
+    batch, _ = s.schedule()                       # 2 + 2 blocks
+    s.postprocess(batch, [9, 9])
+    while b.status != SequenceStatus.WAITING:     # grow until b is preempted
+        batch, _ = s.schedule()
+        s.postprocess(batch, [9] * len(batch))
+    s.check_invariants()
+    b_len = len(b)
+    # b's full blocks were freed but keep their hashes: they are found again
+    assert s.block_manager.num_reusable_tokens(b) > 0
+    s.finish(a, "abort")                          # room for b to come back
+    batch, is_prefill = s.schedule()
+    assert is_prefill and batch == [b]
+    assert b.num_cached_tokens > 0 and b.num_cached_tokens <= b_len - 1
+    s.check_invariants()
+    s.postprocess(batch, [9])
+    batch, is_prefill = s.schedule()
+    assert not is_prefill and batch == [b]
+    s.check_invariants()
