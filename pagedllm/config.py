@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,9 +41,13 @@ class EngineConfig:
     enforce_eager: bool = _opt("never compile the model (torch.compile)", default=False)
     seed: int = _opt("seed of the sampler's shared random generator", default=0)
     num_threads: int | None = _opt("torch intra-op threads (default: all cores)", default=None)
-    check_invariants: bool = _opt("verify KV block accounting after every step", default=False)
+    check_invariants: bool | None = _opt(
+        "verify KV block accounting before and after every step and stop the engine on a "
+        f"violation; unset: on if ${CHECK_INVARIANTS_ENV}=1", default=None)
 
     def __post_init__(self) -> None:
+        if self.check_invariants is None:
+            self.check_invariants = env_flag(CHECK_INVARIANTS_ENV)
         self._validate()
 
     def _validate(self) -> None:
@@ -93,7 +99,7 @@ class EngineConfig:
                 continue
             flag = "--" + f.name.replace("_", "-")
             help = f"{f.metadata['help']} (default: {f.default})"
-            if f.type in ("bool", bool):
+            if f.type in ("bool", "bool | None", bool):
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=help)
                 continue
@@ -107,6 +113,16 @@ class EngineConfig:
                   if hasattr(args, f.name)}
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def env_flag(name: str) -> bool:
+    """A boolean environment variable: 1/true/yes/on or 0/false/no/off (unset = off)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"environment variable {name}={value!r} is not a boolean (use 1 or 0)")
 
 
 def default_dtype() -> torch.dtype:

@@ -5,8 +5,13 @@ import importlib.util
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Every engine built by the tests verifies its KV-block accounting before and after each
+# step and stops with a precise message on a violation (EngineConfig.check_invariants).
+# Set before pagedllm is imported; child processes (CLI, server) inherit it.
+os.environ.setdefault("PAGEDLLM_CHECK_INVARIANTS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(os.cpu_count() or 1)
 
@@ -36,3 +41,10 @@ def hf_smollm(gguf_path):
 def hf_smollm_tokenizer(gguf_path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny random Llama GGUF (tests/tiny_models.py): an engine that builds in milliseconds."""
+    from tiny_models import write_tiny_llama_gguf
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")

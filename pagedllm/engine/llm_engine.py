@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.errors import EngineDeadError
+from pagedllm.engine.fault_injection import FaultInjector
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -63,6 +65,19 @@ class LLMEngine:
         self.last_step = StepStats()
         self.num_prompt_tokens = 0        # computed (not cached) prompt tokens, lifetime
         self.num_generation_tokens = 0
+        self.dead_error: str | None = None   # set once the engine has stopped for good
+        self.faults: FaultInjector | None = None
+        self.set_fault_injector(FaultInjector.from_env())
+
+    def set_fault_injector(self, faults: FaultInjector | None) -> None:
+        """Test-only: make chosen stages raise (see engine/fault_injection.py); None turns it off."""
+        if self.faults is not None:
+            self.faults.uninstall()
+        self.faults = faults
+        self.model_runner.faults = faults
+        if faults is not None:
+            faults.decode = self.tokenizer.decode
+            faults.install(self.model_runner.model)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -100,6 +115,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Queue a request; raises ValueError, naming the problem, if it can never run."""
+        self._check_alive()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
@@ -125,10 +141,23 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of the requests it advanced."""
-        seqs, is_prefill = self.scheduler.schedule()
+        """Run one scheduled batch; return the outputs of the requests it advanced.
+
+        An exception inside the batch (model, sampler, one request's detokenizer) ends only
+        the requests it touched, with finish reason "error". An exception in the scheduler or
+        a violated invariant means the engine's own state is wrong: it stops, failing every
+        request, and raises EngineDeadError rather than compute on corrupt block tables.
+        """
+        self._check_alive()
+        try:
+            if self.faults is not None:
+                self.faults.check("core")
+            seqs, is_prefill = self.scheduler.schedule()
+        except Exception as e:
+            raise self._die(f"scheduling failed: {type(e).__name__}: {e}") from e
         if not seqs:
             return []
+        self._check_invariants("after scheduling")
         t = time.perf_counter()
         now = time.time()
         for seq in seqs:
@@ -138,18 +167,24 @@ class LLMEngine:
             if is_prefill:
                 metrics.num_cached_tokens = seq.num_cached_tokens
         try:
+            if self.faults is not None:
+                self.faults.batch = seqs
             token_ids = self.model_runner.run(seqs, is_prefill, self.eos_token_ids)
         except Exception as e:  # one bad batch must not take the engine down
             logger.exception("step failed for requests %s", [s.request_id for s in seqs])
-            return self._fail(seqs, f"{type(e).__name__}: {e}")
+            outputs = self._fail(seqs, f"{type(e).__name__}: {e}")
+            self._check_invariants("after failing a batch")
+            return outputs
         num_tokens = (sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs))
         if is_prefill:
             self.num_prompt_tokens += num_tokens
         self.num_generation_tokens += len(seqs)
-        self.scheduler.postprocess(seqs, token_ids)
+        try:
+            self.scheduler.postprocess(seqs, token_ids)
+        except Exception as e:
+            raise self._die(f"postprocessing failed: {type(e).__name__}: {e}") from e
         outputs = [self._process_new_token(seq) for seq in seqs]
-        if self.config.check_invariants:
-            self.scheduler.check_invariants()
+        self._check_invariants("after the step")
         self.last_step = StepStats(is_prefill, len(seqs), num_tokens, time.perf_counter() - t)
         return outputs
 
@@ -157,7 +192,13 @@ class LLMEngine:
         state = self.requests[seq.request_id]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.time()
-        state.last_delta = state.detokenizer.add(seq.last_token)
+        try:
+            if self.faults is not None:
+                self.faults.check("detokenizer", [seq])
+            state.last_delta = state.detokenizer.add(seq.last_token)
+        except Exception as e:  # this request alone ends; the rest of the batch goes on
+            logger.exception("detokenizing failed for request %s", seq.request_id)
+            return self._fail([seq], f"detokenizer: {type(e).__name__}: {e}")[0]
         state.text += state.last_delta
         if not seq.is_finished:
             self._check_stop_strings(state)
@@ -177,14 +218,58 @@ class LLMEngine:
                 return
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+        """End these requests with finish reason "error" and free their blocks."""
         outputs = []
         for seq in seqs:
-            self.scheduler.block_manager.forget_hashes(seq)
-            self.scheduler.finish(seq, "error")
+            if seq.is_finished:  # it hit a stop condition in this very step: blocks already freed
+                seq.finish_reason, seq.stop_reason = "error", None
+            else:
+                # Their newest KV may be unwritten: no later request may find it by hash.
+                self.scheduler.block_manager.forget_hashes(seq)
+                self.scheduler.finish(seq, "error")
             state = self.requests[seq.request_id]
             state.error = error
             outputs.append(self._output(state))
         return outputs
+
+    # ---- stopping for good ---------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine stopped earlier: {self.dead_error}")
+
+    def _check_invariants(self, when: str) -> None:
+        """With check_invariants on, verify the block accounting; stop the engine if broken."""
+        if not self.config.check_invariants:
+            return
+        try:
+            self.scheduler.check_invariants()
+            self._check_request_states()
+        except AssertionError as e:
+            raise self._die(f"invariant violated {when}: {e}") from e
+
+    def _check_request_states(self) -> None:
+        """Every live sequence has its request state and every request state a live sequence."""
+        live = {seq.request_id for seq in (*self.scheduler.waiting, *self.scheduler.running)}
+        for request_id, state in self.requests.items():
+            if state.seq.is_finished or request_id not in live:
+                raise AssertionError(f"request {request_id!r} is kept but not scheduled ({state.seq})")
+        if missing := live - self.requests.keys():
+            raise AssertionError(f"scheduled sequences without a request: {sorted(missing)}")
+
+    def _die(self, message: str) -> EngineDeadError:
+        """Stop for good: fail every request without touching the untrusted block accounting."""
+        logger.critical("engine stopped: %s", message)
+        self.dead_error = message
+        outputs = []
+        for state in list(self.requests.values()):
+            state.seq.status = SequenceStatus.FINISHED
+            state.seq.finish_reason = "error"
+            state.error = f"engine stopped: {message}"
+            outputs.append(self._output(state))
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        return EngineDeadError(f"engine stopped: {message}", outputs)
 
     def _output(self, state: _RequestState) -> RequestOutput:
         seq = state.seq

@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.config import EngineConfig
+from pagedllm.engine.fault_injection import FaultInjector
 from pagedllm.engine.sequence import Sequence
 from pagedllm.layers.sampler import SamplingBatch, sample
 from pagedllm.models.config import ModelConfig
@@ -32,6 +33,8 @@ def available_memory_bytes() -> int:
 
 
 class ModelRunner:
+    faults: FaultInjector | None = None  # test-only, see engine/fault_injection.py
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  weights: "object") -> None:
         self.config = config
@@ -175,4 +178,6 @@ class ModelRunner:
         finally:
             reset_context()
         batch = self.prepare_sample(seqs, eos_token_ids)
+        if self.faults is not None:
+            self.faults.check("sampler", seqs)
         return sample(logits, batch, self.generator).tolist()
