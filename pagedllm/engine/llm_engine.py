@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pagedllm.config import EngineConfig
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.model_runner import ModelRunner, available_memory_bytes
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.loader import load_model_source
+from pagedllm.loader.validate import check_fits_in_memory
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -53,6 +54,7 @@ class LLMEngine:
         config.resolve(min(source.config.max_position_embeddings,
                            config.max_model_len or source.config.max_position_embeddings))
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or source.config.eos_token_ids)
+        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(), source.path)
         self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype))
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(

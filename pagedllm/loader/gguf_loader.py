@@ -25,8 +25,10 @@ from gguf import GGUFReader, GGUFValueType
 from pagedllm.models.config import ModelConfig
 
 from .dequant import dequantize
-from .errors import ModelLoadError
+from .errors import ModelLoadError, naming_errors
+from .gguf_header import scan_gguf
 from .source import ModelSource
+from .validate import check_weight_shapes
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 
@@ -68,14 +70,19 @@ def load_gguf(path: str) -> ModelSource:
 
     reader = open_gguf(path)
     metadata = read_metadata(reader, path)
+    check_metadata_types(metadata, path)
     _reject_split_files(metadata, path)
-    config = config_from_metadata(metadata, reader, path)
-    tokenizer = Tokenizer.from_gguf(metadata)
+    with naming_errors(path, "invalid model hyper-parameters"):
+        config = config_from_metadata(metadata, reader, path)
+    with naming_errors(path, "invalid tokenizer"):
+        tokenizer = Tokenizer.from_gguf(metadata)
     names = _hf_names(reader, path)
+    check_weight_shapes({names[t.name]: _hf_shape(t) for t in reader.tensors if names[t.name]},
+                        config, path)
     weight_names = [hf for hf in names.values() if hf is not None]
 
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        return _iter_weights(reader, names, config, dtype)
+        return _iter_weights(reader, names, config, dtype, path)
 
     return ModelSource(path=path, format="gguf", config=config, tokenizer=tokenizer,
                        weight_names=weight_names, _stream=stream)
@@ -87,6 +94,7 @@ def open_gguf(path: str) -> GGUFReader:
         raise ModelLoadError(f"model file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ModelLoadError(f"model path {path!r} is not a file")
+    scan_gguf(path)  # gguf-py trusts declared lengths: it can loop or allocate without end
     try:
         return GGUFReader(path)
     except Exception as exc:  # gguf raises ValueError, IndexError, KeyError... on bad input
@@ -97,10 +105,8 @@ def open_gguf(path: str) -> GGUFReader:
 
 def read_metadata(reader: GGUFReader, path: str = "<gguf>") -> dict[str, Any]:
     """All metadata key/values of a GGUF file, decoded to plain Python values."""
-    try:
+    with naming_errors(path, "corrupt GGUF metadata"):
         return {key: _field_value(field) for key, field in reader.fields.items()}
-    except (UnicodeDecodeError, ValueError, IndexError) as exc:
-        raise ModelLoadError(f"{path!r}: corrupt GGUF metadata: {exc}") from exc
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -171,6 +177,62 @@ def _float32(value: np.generic) -> float:
     return float(str(np.float32(value)))
 
 
+# The types of the metadata keys we read (GGUF writers use several integer widths).
+_GENERAL_KEY_TYPES: dict[str, type | tuple[type, type]] = {
+    "general.architecture": str, "general.name": str, "split.count": int,
+    "tokenizer.ggml.model": str, "tokenizer.ggml.pre": str, "tokenizer.chat_template": str,
+    "tokenizer.ggml.tokens": (list, str), "tokenizer.ggml.merges": (list, str),
+    "tokenizer.ggml.token_type": (list, int), "tokenizer.ggml.scores": (list, float),
+    **{f"tokenizer.ggml.{k}_token_id": int for k in ("bos", "eos", "eot", "eom", "unknown", "padding")},
+    **{f"tokenizer.ggml.{k}": bool for k in ("add_bos_token", "add_eos_token", "add_space_prefix")},
+}
+_ARCH_KEY_TYPES: dict[str, type] = {
+    **{k: int for k in ("vocab_size", "context_length", "embedding_length", "feed_forward_length",
+                        "block_count", "attention.head_count", "attention.head_count_kv",
+                        "attention.key_length", "rope.scaling.original_context_length")},
+    **{k: float for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor",
+                          "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                          "rope.scaling.attn_factor")},
+    "rope.scaling.type": str,
+}
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is bool:
+        return isinstance(value, bool) or value in (0, 1)
+    return isinstance(value, kind)
+
+
+def check_metadata_types(metadata: dict[str, Any], path: str) -> None:
+    """The keys we read hold the types we expect; token-parallel arrays have equal lengths."""
+    arch = metadata.get("general.architecture")
+    expected = dict(_GENERAL_KEY_TYPES)
+    if isinstance(arch, str):
+        expected.update({f"{arch}.{k}": t for k, t in _ARCH_KEY_TYPES.items()})
+    for key, kind in expected.items():
+        value = metadata.get(key)
+        if value is None:
+            continue
+        if isinstance(kind, tuple):
+            ok = isinstance(value, list) and all(_is(v, kind[1]) for v in value)
+            name = f"an array of {kind[1].__name__}"
+        else:
+            ok, name = _is(value, kind), f"a {kind.__name__}"
+        if not ok:
+            found = type(value).__name__ if not isinstance(value, list) else "an array"
+            raise ModelLoadError(f"{path!r}: GGUF metadata key {key!r} must be {name}, got {found} "
+                                 f"({str(value)[:60]})")
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if metadata.get(key) is not None and len(metadata[key]) != len(tokens):
+            raise ModelLoadError(f"{path!r}: GGUF metadata {key!r} has {len(metadata[key])} entries "
+                                 f"but there are {len(tokens)} tokens")
+
+
 def _reject_split_files(metadata: dict[str, Any], path: str) -> None:
     if int(metadata.get("split.count", 1) or 1) > 1:
         raise ModelLoadError(
@@ -185,6 +247,14 @@ def _require(metadata: dict[str, Any], key: str, path: str) -> Any:
     return value
 
 
+def _require_positive(metadata: dict[str, Any], key: str, path: str) -> int:
+    value = _require(metadata, key, path)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelLoadError(f"{path!r}: GGUF metadata key {key!r} must be a positive integer, "
+                             f"got {value!r}")
+    return value
+
+
 def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str) -> ModelConfig:
     """The ModelConfig a GGUF file's metadata (and tensor list) describes."""
     arch = _require(metadata, "general.architecture", path)
@@ -196,8 +266,8 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    hidden = int(_require(metadata, key("embedding_length"), path))
-    heads = int(_require(metadata, key("attention.head_count"), path))
+    hidden = _require_positive(metadata, key("embedding_length"), path)
+    heads = _require_positive(metadata, key("attention.head_count"), path)
     kv_heads = int(metadata.get(key("attention.head_count_kv")) or heads)
     tensor_names = {t.name for t in reader.tensors}
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -205,8 +275,8 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
         architecture=arch,
         vocab_size=_vocab_size(metadata, arch, path),
         hidden_size=hidden,
-        intermediate_size=int(_require(metadata, key("feed_forward_length"), path)),
-        num_hidden_layers=int(_require(metadata, key("block_count"), path)),
+        intermediate_size=_require_positive(metadata, key("feed_forward_length"), path),
+        num_hidden_layers=_require_positive(metadata, key("block_count"), path),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=int(metadata.get(key("attention.key_length")) or hidden // heads),
@@ -310,15 +380,20 @@ def _hf_names(reader: GGUFReader, path: str) -> dict[str, str | None]:
     return names
 
 
+def _hf_shape(tensor: Any) -> tuple[int, ...]:
+    """A GGUF tensor's logical shape in HF (row-major) order: GGUF's ``ne`` reversed."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
 def _iter_weights(reader: GGUFReader, names: dict[str, str | None], config: ModelConfig,
-                  dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+                  dtype: torch.dtype, path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in reader.tensors:
         hf_name = names[tensor.name]
         if hf_name is None:
             continue
-        shape = [int(d) for d in reversed(tensor.shape.tolist())]  # GGUF ne order is reversed
-        weight = dequantize(tensor.data, tensor.tensor_type, shape, tensor.name)
-        weight = _to_hf_layout(weight, tensor.name, config)
+        with naming_errors(path, "cannot read weights"):
+            weight = dequantize(tensor.data, tensor.tensor_type, _hf_shape(tensor), tensor.name)
+            weight = _to_hf_layout(weight, tensor.name, config)
         yield hf_name, weight.to(dtype)
 
 

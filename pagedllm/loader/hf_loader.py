@@ -11,8 +11,9 @@ from safetensors import safe_open
 
 from pagedllm.models.config import ModelConfig
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, naming_errors
 from .source import ModelSource
+from .validate import check_weight_shapes
 
 if TYPE_CHECKING:
     from pagedllm.tokenizer import Tokenizer
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 _MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3"}
 _INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtypes a weight may have (integers or bools would be cast silently)
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def load_hf_dir(path: str) -> ModelSource:
@@ -37,9 +40,13 @@ def load_hf_dir(path: str) -> ModelSource:
     hf_config = _read_config(path)
     _architecture(hf_config, path)  # fail on the architecture before looking for weights
     files = safetensors_files(path)
-    names = _tensor_names(files)
-    config = config_from_hf(hf_config, path, has_lm_head="lm_head.weight" in names)
-    tokenizer = Tokenizer.from_hf_dir(path)
+    shapes = _tensor_shapes(files)
+    names = list(shapes)
+    with naming_errors(path, "invalid config.json"):
+        config = config_from_hf(hf_config, path, has_lm_head="lm_head.weight" in shapes)
+    check_weight_shapes(shapes, config, path)
+    with naming_errors(path, "invalid tokenizer"):
+        tokenizer = Tokenizer.from_hf_dir(path)
     _share_eos_ids(config, tokenizer)
 
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -63,7 +70,11 @@ def config_from_hf(hf: dict[str, Any], path: str, has_lm_head: bool = True) -> M
     def need(key: str) -> Any:
         if hf.get(key) is None:
             raise ModelLoadError(f"{path!r}: config.json has no {key!r}")
-        return hf[key]
+        value = hf[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelLoadError(f"{path!r}: config.json {key!r} must be a positive integer, "
+                                 f"got {value!r}")
+        return value
 
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     rope_theta, rope_scaling = _rope(hf)
@@ -93,9 +104,7 @@ def safetensors_files(path: str) -> list[str]:
     """The checkpoint's safetensors files: those the shard index lists, else all in the dir."""
     index_path = os.path.join(path, _INDEX_FILE)
     if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
+        files = [os.path.join(path, name) for name in _shard_names(index_path)]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise ModelLoadError(f"{path!r}: shards listed in {_INDEX_FILE} are missing: {missing}")
@@ -106,25 +115,47 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
+def _shard_names(index_path: str) -> list[str]:
+    """The shard file names of a safetensors index: plain names inside the model directory."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise ValueError("'weight_map' is not an object")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot parse {index_path!r}: {exc}") from exc
+    names = list(dict.fromkeys(weight_map.values()))
+    for name in names:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ModelLoadError(f"{index_path!r}: shard {name!r} is not a file name inside the "
+                                 f"model directory")
+    return names
+
+
 def _read_config(path: str) -> dict[str, Any]:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"{path!r} has no config.json (not an HF model directory)")
     try:
         with open(config_path, encoding="utf-8") as f:
-            return json.load(f)
+            config = json.load(f)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot parse {config_path!r}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path!r} must hold a JSON object, not {type(config).__name__}")
+    return config
 
 
 def _architecture(hf: dict[str, Any], path: str) -> str:
-    for name in hf.get("architectures") or []:
-        if name in _ARCHITECTURES:
+    names = hf.get("architectures")
+    for name in names if isinstance(names, list) else []:
+        if isinstance(name, str) and name in _ARCHITECTURES:
             return _ARCHITECTURES[name]
-    if hf.get("model_type") in _MODEL_TYPES:
-        return _MODEL_TYPES[hf["model_type"]]
+    model_type = hf.get("model_type")
+    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
     found = hf.get("architectures") or hf.get("model_type")
-    raise ModelLoadError(f"{path!r}: unsupported architecture {found!r} "
+    raise ModelLoadError(f"{path!r}: unsupported architecture {str(found)[:80]!r} "
                          f"(supported: {', '.join(_ARCHITECTURES)})")
 
 
@@ -139,19 +170,33 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": kind, **params}
 
 
-def _tensor_names(files: list[str]) -> list[str]:
-    names: list[str] = []
+def _tensor_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the shards, read from their headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                names.extend(f.keys())
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    dtype = tensor.get_dtype()
+                    if dtype not in _FLOAT_DTYPES:
+                        raise ModelLoadError(f"{file!r}: tensor {name!r} has dtype {dtype}; weights "
+                                             f"must be one of {', '.join(_FLOAT_DTYPES)}")
+                    if name in shapes:
+                        raise ModelLoadError(f"{file!r}: tensor {name!r} is also in another shard")
+                    shapes[name] = tuple(tensor.get_shape())
+        except ModelLoadError:
+            raise
         except Exception as exc:  # safetensors raises its own error types on bad headers
             raise ModelLoadError(f"cannot read safetensors file {file!r}: {exc}") from exc
-    return names
+    return shapes
 
 
 def _iter_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).to(dtype)
+        except Exception as exc:  # e.g. the file changed or was cut since it was opened
+            raise ModelLoadError(f"cannot read weights from {file!r}: {exc}") from exc

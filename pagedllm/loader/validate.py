@@ -1,0 +1,98 @@
+"""Checks that a model file describes a model we can build, before anything is allocated.
+
+A hostile or corrupt file can declare hyper-parameters that do not match its tensors
+(the layer loaders would then silently copy a slice of a larger tensor) or that are
+absurd (a context length of 2**40 makes every layer's rotary cache an out-of-memory
+attempt). So, before the model is built:
+
+* the declared hyper-parameters must be sane (ModelConfig validates them),
+* every weight the architecture needs must be in the file with exactly the shape the
+  hyper-parameters imply, and nothing else may be,
+* the model (weights + buffers) must fit in the memory that is available.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from pagedllm.models.config import ModelConfig
+
+from .errors import ModelLoadError
+
+# checkpoint entries models may carry that have no parameter (older HF Llama checkpoints)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight a Llama / Qwen3 checkpoint must hold."""
+    h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_rows, h), p + "self_attn.k_proj.weight": (kv_rows, h),
+            p + "self_attn.v_proj.weight": (kv_rows, h), p + "self_attn.o_proj.weight": (h, q_rows),
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn),
+        })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
+                           p + "self_attn.v_proj.bias": (kv_rows,), p + "self_attn.o_proj.bias": (h,)})
+        if config.architecture == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def check_weight_shapes(declared: Mapping[str, Sequence[int]], config: ModelConfig, path: str) -> None:
+    """Every expected weight present with its exact shape, and no unknown one."""
+    if config.num_hidden_layers > len(declared):  # before enumerating a hostile layer count
+        raise ModelLoadError(f"{path!r}: the model declares {config.num_hidden_layers} layers but "
+                             f"the file holds only {len(declared)} tensors")
+    expected = expected_weight_shapes(config)
+    for name, shape in declared.items():
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        if name not in expected:
+            raise ModelLoadError(f"{path!r}: tensor {name!r} is not part of a {config.architecture} "
+                                 f"model with {config.num_hidden_layers} layers")
+        if tuple(shape) != expected[name]:
+            raise ModelLoadError(
+                f"{path!r}: tensor {name!r} has shape {list(shape)}, but the model's "
+                f"hyper-parameters need {list(expected[name])}")
+    missing = [name for name in expected if name not in declared]
+    if missing:
+        raise ModelLoadError(f"{path!r}: {len(missing)} weights the model needs are missing, "
+                             f"e.g. {missing[:3]}")
+
+
+def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the built model holds in ``dtype``: its weights plus the cos/sin caches that
+    layers/rotary.py precomputes for every layer ([max_position, head_dim] each).
+
+    Computed, not measured: building the model on the meta device would be exact but costs
+    seconds the first time (torch loads its meta kernels). A test checks it against a real
+    model's parameters and buffers.
+    """
+    numel = sum(math.prod(shape) for shape in expected_weight_shapes(config).values())
+    rotary = 2 * config.num_hidden_layers * config.max_position_embeddings * config.head_dim
+    return (numel + rotary) * dtype.itemsize
+
+
+def check_fits_in_memory(config: ModelConfig, dtype: torch.dtype, available: int, path: str) -> None:
+    """Refuse, before allocating, a model that cannot fit in ``available`` bytes."""
+    needed = model_bytes(config, dtype)
+    if needed > available:
+        raise ModelLoadError(
+            f"{path!r}: the model needs {needed / 2**30:.1f} GiB for its weights and buffers "
+            f"({str(dtype).removeprefix('torch.')}, {config.num_hidden_layers} layers, context "
+            f"{config.max_position_embeddings}), but only {available / 2**30:.1f} GiB of memory "
+            f"is available")
