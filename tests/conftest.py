@@ -9,6 +9,9 @@ from pathlib import Path
 # step and stops with a precise message on a violation (EngineConfig.check_invariants).
 # Set before pagedllm is imported; child processes (CLI, server) inherit it.
 os.environ.setdefault("PAGEDLLM_CHECK_INVARIANTS", "1")
+# OpenMP threads that spin while waiting make every test crawl (measured 15-25x on small
+# matmuls) when several test runs share the cores; sleeping waiters cost little alone.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
