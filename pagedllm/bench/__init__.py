@@ -1,0 +1,1 @@
+"""`pagedllm bench`: seeded workloads, pagedllm and its peers side by side, the roofline."""

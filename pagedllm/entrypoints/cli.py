@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate, chat (and, as they land, serve and bench)."""
+"""The `pagedllm` command: generate, chat, bench (and, as it lands, serve)."""
 from __future__ import annotations
 
 import argparse
@@ -59,6 +59,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args, _sampling_params(args), _engine_kwargs(args))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedllm.bench.main import run_bench
+    return run_bench(args, args.argv[1:])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,12 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     _add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", conflict_handler="resolve",
+                           help="benchmark pagedllm and its peers (HF, llama.cpp) side by side")
+    from pagedllm.bench.main import add_bench_args
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

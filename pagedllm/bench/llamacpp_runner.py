@@ -1,0 +1,142 @@
+"""The llama.cpp peer: start the user's `llama-server`, drive /completion on the same token ids.
+
+The server runs with parallel slots and continuous batching (its defaults with --parallel),
+the KV cache in the run's precision, and every request sends its prompt as token ids with
+n_predict = output length and ignore_eos, so it produces exactly the tokens the others do.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pagedllm.bench.gguf_convert import gguf_for_dtype
+from pagedllm.bench.http_client import HTTPError, request_json, stream_events
+from pagedllm.bench.results import LatencyRun, ThroughputRun
+from pagedllm.bench.workloads import BenchRequest, Workload
+
+__all__ = ["LlamaCppRunner", "gguf_for_dtype"]
+
+_KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_version(binary: str) -> str:
+    """`llama-server --version` prints e.g. "version: 1 (0c1e570)" on stderr."""
+    try:
+        r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({e})"
+    line = next((l for l in (r.stdout + r.stderr).splitlines() if l.startswith("version")), "")
+    return line.removeprefix("version:").strip() or "unknown"
+
+
+class LlamaCppRunner:
+    engine = "llama.cpp"
+
+    def __init__(self, binary: str, gguf: str, dtype: str, threads: int, parallel: int,
+                 max_seq_len: int, cache_prompt: bool = True, startup_timeout: float = 300.0) -> None:
+        if dtype not in _KV_TYPES:
+            raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r}")
+        self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
+        self.parallel, self.cache_prompt = parallel, cache_prompt
+        self.slot_ctx = -(-(max_seq_len + 16) // 256) * 256  # a slot holds the longest request
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._version = server_version(binary)
+        fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        self._log = os.fdopen(fd, "w")
+        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
+               "-c", str(parallel * self.slot_ctx), "--cont-batching",
+               "-ctk", _KV_TYPES[dtype], "-ctv", _KV_TYPES[dtype], "--no-webui"]
+        t = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.load_s = time.perf_counter() - t
+        self._ids = 0
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {self.proc.returncode}; "
+                                   f"its log ({self.log_path}) ends with:\n{self._log_tail()}")
+            try:
+                request_json("GET", f"{self.url}/health", timeout=5)
+                return
+            except (OSError, HTTPError):
+                time.sleep(0.5)
+        raise TimeoutError(f"llama-server did not become ready in {timeout:.0f} s; log: {self.log_path}")
+
+    def _log_tail(self, lines: int = 15) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def versions(self) -> dict[str, str]:
+        return {"llama.cpp": self._version}
+
+    def settings(self) -> dict:
+        return {"parallel_slots": self.parallel, "slot_ctx": self.slot_ctx,
+                "cache_prompt": self.cache_prompt, "kv_cache_type": _KV_TYPES[self.dtype],
+                "gguf": os.path.basename(self.gguf), "load_s": round(self.load_s, 2)}
+
+    def _body(self, r: BenchRequest, stream: bool) -> dict:
+        return {"prompt": r.prompt_token_ids, "n_predict": r.output_len, "ignore_eos": True,
+                "temperature": 0.0, "cache_prompt": self.cache_prompt, "stream": stream}
+
+    def _complete(self, r: BenchRequest) -> int:
+        out = request_json("POST", f"{self.url}/completion", self._body(r, stream=False))
+        return int(out["tokens_predicted"])
+
+    def warmup(self, workload: Workload) -> None:
+        for r in workload.requests:
+            self._complete(r)
+
+    def throughput(self, workload: Workload) -> ThroughputRun:
+        """Every request sent at once; the server queues what its slots cannot take yet."""
+        reqs = workload.requests
+        t = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=min(len(reqs), 256)) as pool:
+            lens = list(pool.map(self._complete, reqs))
+        return ThroughputRun(time.perf_counter() - t, lens)
+
+    def latency(self, workload: Workload, iters: int) -> LatencyRun:
+        r = workload.requests[0]
+        ttfts, rates, lens = [], [], []
+        for _ in range(iters):
+            start = time.perf_counter()
+            times, n = [], 0
+            for now, event in stream_events(f"{self.url}/completion", self._body(r, stream=True)):
+                times.append(now)
+                if event.get("stop"):
+                    n = int(event.get("tokens_predicted", 0))
+            ttfts.append(times[0] - start)
+            # Chunks can merge tokens (partial UTF-8 is held back): rate from the final count.
+            rates.append((n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else float("nan"))
+            lens.append(n)
+        return LatencyRun(ttfts, rates, lens)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

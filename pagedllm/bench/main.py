@@ -1,0 +1,367 @@
+"""`pagedllm bench`: run the workloads on pagedllm and its peers side by side, in one run.
+
+    pagedllm bench throughput --dtype float32,bfloat16 --compare hf
+    pagedllm bench all --compare hf,llamacpp --llama-server /path/to/llama-server
+    pagedllm bench serve --base-url http://127.0.0.1:8000 --request-rate 4
+
+One run measures the machine (matmul peak, memory bandwidth), then every engine on the
+same token ids, and reports each engine's fraction of the workload's roofline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any, Iterator
+
+from tqdm.auto import tqdm
+
+from pagedllm.bench import workloads as wl
+from pagedllm.bench.hardware import MachineMeasurement, machine_info, measure_machine
+from pagedllm.bench.report import format_machine, format_serving, format_table, write_chart, write_json
+from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
+from pagedllm.bench.roofline import (ModelCost, decode_step_roofline_seconds, model_cost,
+                                     prefill_roofline_seconds, workload_roofline)
+from pagedllm.config import EngineConfig
+
+WORKLOADS = ("throughput", "latency", "prefix", "serve", "all")
+PEERS = ("hf", "llamacpp")
+DTYPES = ("float32", "bfloat16")
+# Set by the bench itself, so not taken from the engine flags.
+_BENCH_OWNED = {"dtype", "num_threads", "seed", "enable_prefix_caching"}
+
+
+# ---- arguments ---------------------------------------------------------------------------
+
+def _int_range(text: str) -> tuple[int, int]:
+    """"128" -> (128, 128); "32:512" -> (32, 512)."""
+    try:
+        lo, _, hi = text.partition(":")
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+
+
+def _csv(choices: tuple[str, ...] | None = None):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if choices is not None and t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {choices}, got {text!r}")
+        return items
+    return parse
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The bench's own flags plus every engine flag (EngineConfig); the bench's win on clashes."""
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
+    EngineConfig.add_cli_args(p.add_argument_group("engine (pagedllm)"))
+    p.add_argument("workload", choices=WORKLOADS,
+                   help="throughput (W1), latency (W2), prefix (W3), serve (HTTP), all (W1+W2+W3)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--shape", choices=["w1", "nanovllm"], default="w1",
+                   help="throughput shape: W1 (32-512 in, 32-256 out) or nano-vllm's (100-1024 both)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="requests (default: 64 for throughput, 32 for prefix, 64 for serve)")
+    g.add_argument("--input-len", type=_int_range, default=None,
+                   help="prompt length N or MIN:MAX (prefix: the per-request suffix length)")
+    g.add_argument("--output-len", type=_int_range, default=None, help="output length N or MIN:MAX")
+    g.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix workload")
+    g.add_argument("--seed", type=int, default=0, help="seed of the workload's random token ids and lengths")
+    g.add_argument("--latency-iters", type=int, default=3, help="timed runs of the latency request (median kept)")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the untimed warm-up requests of each engine")
+    r = p.add_argument_group("run")
+    r.add_argument("--dtype", type=_csv(("auto", *DTYPES)), default=["auto"],
+                   help="dtypes to run, comma-separated, e.g. float32,bfloat16 (default: the engine's)")
+    r.add_argument("--threads", "--num-threads", dest="threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of every engine and of the machine measurements (default: all cores)")
+    r.add_argument("--compare", type=_csv(PEERS), action="extend", default=[],
+                   help="peers to run on the same token ids: hf, llamacpp (comma-separated)")
+    r.add_argument("--hf-batch-sizes", type=_csv_ints, default=[8, 32, 64],
+                   help="static batch sizes HF transformers tries; the fastest is reported")
+    r.add_argument("--llama-server", default=None, help="path of a llama.cpp llama-server binary")
+    r.add_argument("--llama-gguf", default=None,
+                   help="GGUF for llama.cpp (default: the model converted to F32/BF16 per dtype)")
+    r.add_argument("--llama-parallel", type=int, default=16, help="llama.cpp server slots")
+    r.add_argument("--quick-machine", action="store_true",
+                   help="measure the machine with small sizes (seconds, rougher)")
+    s = p.add_argument_group("serve")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
+    s.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrival rate in requests/s (default: inf, all at once)")
+    s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    s.add_argument("--served-model-name", default=None, help="model name (default: GET /v1/models)")
+    s.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="send token ids (exact lengths) or their detokenized text")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", default=None,
+                   help="JSON results (default: bench_results/<workload>-<UTC time>.json)")
+    o.add_argument("--output-png", default=None, help="bar chart (default: next to the JSON)")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "latency_iters", "threads", "llama_parallel", "prefix_len",
+                 "max_concurrency"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    if "llamacpp" in args.compare and not args.llama_server:
+        raise ValueError("--compare llamacpp needs --llama-server PATH (a llama.cpp llama-server binary)")
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
+
+
+def build_workloads(args: argparse.Namespace) -> list[wl.Workload]:
+    names = ["throughput", "latency", "prefix"] if args.workload == "all" else [args.workload]
+    out = []
+    for name in names:
+        if name == "throughput":
+            make = wl.throughput_w1 if args.shape == "w1" else wl.throughput_nanovllm
+            kw: dict[str, Any] = {"seed": args.seed, "num_prompts": args.num_prompts or 64}
+            if args.input_len:
+                kw["input_len"] = args.input_len
+            if args.output_len:
+                kw["output_len"] = args.output_len
+            out.append(make(**kw))
+        elif name == "latency":
+            out.append(wl.latency_w2((args.input_len or (128, 128))[0],
+                                     (args.output_len or (256, 256))[0], args.seed))
+        elif name == "prefix":
+            out.append(wl.prefix_w3(args.num_prompts or 32, args.prefix_len,
+                                    (args.input_len or (32, 32))[0],
+                                    (args.output_len or (32, 32))[0], args.seed))
+        elif name == "serve":
+            out.append(wl.throughput_w1(args.num_prompts or 64, args.input_len or (32, 512),
+                                        args.output_len or (32, 256), args.seed))
+    return out
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    # The bench's --dtype, --seed and --threads share names with engine fields: keep them out.
+    config = EngineConfig.from_cli_args(args, model=args.model, dtype="auto", seed=0,
+                                        num_threads=None)
+    return {k: v for k, v in vars(config).items() if k != "model" and k not in _BENCH_OWNED}
+
+
+def resolve_dtypes(names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        if name == "auto":
+            name = str(EngineConfig(dtype="auto").torch_dtype).removeprefix("torch.")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+# ---- running -------------------------------------------------------------------------------
+
+class Bench:
+    """One bench run: the machine, the model's cost, then each engine in turn."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workloads = build_workloads(args)
+        self.dtypes = resolve_dtypes(args.dtype)
+        self.results: list[BenchResult] = []
+        self.notes: list[str] = []
+        from pagedllm.loader import default_model_path, load_model_source
+        self.model_path = args.model or default_model_path()
+        source = load_model_source(self.model_path)
+        self.model_config, self.tokenizer = source.config, source.tokenizer
+        self.cost: ModelCost = model_cost(self.model_config)
+        self.machine: MachineMeasurement | None = None
+        self.load_at_start = [round(x, 2) for x in os.getloadavg()]
+
+    def plan(self) -> list[str]:
+        """The steps of the run, for the progress bar."""
+        engines = ["pagedllm"] + [p for p in PEERS if p in self.args.compare]
+        steps = ["measure machine"]
+        for dtype in self.dtypes:
+            for engine in engines:
+                for w in self.workloads:
+                    steps.append(f"{engine} {dtype} {w.name}")
+                    if w.name == "prefix" and engine in ("pagedllm", "llamacpp"):
+                        steps.append(f"{engine} {dtype} {w.name} (caching off)")
+        return steps
+
+    def run(self) -> None:
+        with tqdm(total=len(self.plan()), desc="bench", unit="step", dynamic_ncols=True) as bar:
+            self.bar = bar
+            self._step("measure machine")
+            self.machine = measure_machine(self.args.threads,
+                                           [_torch_dtype(d) for d in self.dtypes],
+                                           quick=self.args.quick_machine)
+            bar.update(1)
+            for dtype in self.dtypes:
+                self._run_pagedllm(dtype)
+                if "hf" in self.args.compare:
+                    self._run_peer(dtype, lambda: self._hf_runner(dtype))
+                if "llamacpp" in self.args.compare:
+                    self._run_llamacpp(dtype)
+
+    def _step(self, text: str) -> None:
+        self.bar.set_description(f"bench: {text}")
+        self.bar.refresh()
+
+    def _run_pagedllm(self, dtype: str) -> None:
+        """The engine flags as given for every workload; W3 again with prefix caching flipped."""
+        from pagedllm.bench.pagedllm_runner import PagedLLMRunner
+        kwargs = engine_kwargs(self.args)
+        caching = getattr(self.args, "enable_prefix_caching", True)
+        for on in ([caching, not caching] if self._has("prefix") else [caching]):
+            self._run_peer(dtype, lambda: PagedLLMRunner(
+                self.args.model, dtype, self.args.threads, {**kwargs, "enable_prefix_caching": on}),
+                workloads=None if on == caching else self._only("prefix"),
+                prefix_label=f"prefix caching {'on' if on else 'off'}")
+
+    def _hf_runner(self, dtype: str) -> Runner:
+        from pagedllm.bench.hf_runner import HFRunner
+        return HFRunner(self.model_path, dtype, self.args.threads, self.args.hf_batch_sizes)
+
+    def _run_llamacpp(self, dtype: str) -> None:
+        """llama.cpp's server with its prompt cache on; W3 again with it off."""
+        from pagedllm.bench.llamacpp_runner import LlamaCppRunner, gguf_for_dtype
+        gguf = self.args.llama_gguf or gguf_for_dtype(self.model_path, dtype)
+        ctx = max(w.max_seq_len for w in self.workloads)
+        for on in ([True, False] if self._has("prefix") else [True]):
+            self._run_peer(dtype, lambda: LlamaCppRunner(
+                self.args.llama_server, gguf, dtype, self.args.threads, self.args.llama_parallel,
+                ctx, cache_prompt=on),
+                workloads=None if on else self._only("prefix"),
+                prefix_label=f"prompt cache {'on' if on else 'off'}")
+
+    def _has(self, name: str) -> bool:
+        return any(w.name == name for w in self.workloads)
+
+    def _only(self, name: str) -> list[wl.Workload]:
+        return [w for w in self.workloads if w.name == name]
+
+    def _run_peer(self, dtype: str, make: Any, workloads: list[wl.Workload] | None = None,
+                  prefix_label: str = "") -> None:
+        """Load one engine, warm it up, run the workloads on it, free it."""
+        self._step(f"loading {dtype} engine")
+        runner: Runner = make()
+        try:
+            if self.args.warmup:
+                runner.warmup(wl.warmup_workload())
+            for w in workloads or self.workloads:
+                self._step(f"{runner.engine} {dtype} {w.name}")
+                if w.name == "latency":
+                    result = latency_result(w, runner.latency(w, self.args.latency_iters), runner)
+                else:
+                    result = throughput_result(w, runner.throughput(w), runner)
+                if w.name == "prefix" and prefix_label:
+                    result.settings["label"] = prefix_label
+                self._add_roofline(result, w)
+                self.results.append(result)
+                self.bar.update(1)
+        finally:
+            runner.close()
+
+    def _add_roofline(self, result: BenchResult, w: wl.Workload) -> None:
+        assert self.machine is not None
+        peak = self.machine.matmul_gflops.get(result.dtype)
+        if peak is None:
+            return
+        bw, itemsize = self.machine.memory_read_gbs, _torch_dtype(result.dtype).itemsize
+        if w.name == "latency":
+            r = w.requests[0]
+            steps = range(r.prompt_len + 1, r.prompt_len + r.output_len)
+            decode_s = sum(decode_step_roofline_seconds(self.cost, c, itemsize, peak, bw) for c in steps)
+            bound_tok_s = len(steps) / decode_s if decode_s else None
+            ttft_bound = prefill_roofline_seconds(self.cost, r.prompt_len, peak)
+            result.roofline = {"tok_s": bound_tok_s, "decode_seconds": decode_s,
+                               "ttft_seconds": ttft_bound, "peak_gflops": peak, "bandwidth_gbs": bw,
+                               "ttft_fraction": ttft_bound / result.ttft_s if result.ttft_s else None}
+            if bound_tok_s and result.decode_tok_s:
+                result.roofline_fraction = result.decode_tok_s / bound_tok_s
+            return
+        roof = workload_roofline(self.cost, w, itemsize, peak, bw)
+        result.roofline = {**roof.summary(), "tok_s": w.num_output_tokens / roof.seconds}
+        if result.elapsed_s:
+            result.roofline_fraction = roof.seconds / result.elapsed_s
+
+    # ---- output ---------------------------------------------------------------------------
+
+    def document(self, started: str, argv: list[str]) -> dict[str, Any]:
+        from pagedllm.bench.pagedllm_runner import pagedllm_version
+        import torch
+        info = machine_info()
+        info["load_average_at_start"] = self.load_at_start
+        return {
+            "schema": SCHEMA, "started": started,
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": ["pagedllm", "bench", *argv],
+            "machine": info, "hardware": self.machine.summary() if self.machine else None,
+            "versions": {"pagedllm": pagedllm_version(), "torch": torch.__version__},
+            "model": {"name": self.model_config.name or self.model_config.architecture,
+                      "path": self.model_path, "cost": self.cost.summary()},
+            "workloads": [w.summary() for w in self.workloads],
+            "results": [r.to_dict() for r in self.results],
+            "notes": self.notes,
+        }
+
+
+def _torch_dtype(name: str) -> "Any":
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def default_output_path(workload: str, started: datetime) -> str:
+    return os.path.join("bench_results", f"{workload}-{started.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    validate_args(args)
+    started = datetime.now(timezone.utc)
+    bench = Bench(args)
+    if args.workload == "serve":
+        from pagedllm.bench.serve import run_serve
+        run_serve(bench)
+    else:
+        bench.run()
+    doc = bench.document(started.isoformat(timespec="seconds"), argv)
+    json_path = args.output_json or default_output_path(args.workload, started)
+    png_path = args.output_png or os.path.splitext(json_path)[0] + ".png"
+    chart_problem = write_chart(bench.results, png_path, _chart_title(doc))
+    if chart_problem:
+        bench.notes.append(chart_problem)
+    doc["notes"] = bench.notes
+    doc["outputs"] = {"json": json_path, "png": None if chart_problem else png_path}
+    write_json(doc, json_path)
+    print(format_machine(doc) if doc["hardware"] else "")
+    print(format_table(bench.results))
+    serving = format_serving(bench.results)
+    if serving:
+        print(serving)
+    for note in bench.notes:
+        print(f"note: {note}")
+    print(f"results: {json_path}" + ("" if chart_problem else f", chart: {png_path}"))
+    inexact = [r for r in bench.results if not r.exact_output_lens]
+    for r in inexact:
+        print(f"pagedllm bench: error: {r.engine} {r.dtype} on {r.workload} produced "
+              f"{r.output_tokens} tokens, {r.requested_output_tokens} were requested", file=sys.stderr)
+    return 1 if inexact else 0
+
+
+def _chart_title(doc: dict[str, Any]) -> str:
+    m, hw = doc["machine"], doc["hardware"] or {}
+    return (f"{doc['model']['name']}, {hw.get('threads', '?')} threads of {m.get('cpu', '?')}\n"
+            f"{doc['started']}, pagedllm {doc['versions']['pagedllm']}")

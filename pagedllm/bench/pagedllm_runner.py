@@ -1,0 +1,123 @@
+"""Drive pagedllm itself: LLM.generate for throughput, LLMEngine.step for latency."""
+from __future__ import annotations
+
+import gc
+import subprocess
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.bench.results import LatencyRun, ThroughputRun
+from pagedllm.bench.workloads import BenchRequest, Workload
+from pagedllm.sampling_params import SamplingParams
+
+
+def exact_params(r: BenchRequest) -> SamplingParams:
+    """Greedy, EOS ignored, exactly ``output_len`` tokens."""
+    return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+
+
+def pagedllm_version() -> str:
+    """Package version plus the git commit when run from a checkout (benchmarks need both)."""
+    try:
+        v = version("pagedllm")
+    except PackageNotFoundError:
+        import pagedllm
+        v = pagedllm.__version__
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", ""
+    return f"{v}+g{commit}{'.dirty' if dirty else ''}" if commit else v
+
+
+class PagedLLMRunner:
+    engine = "pagedllm"
+
+    def __init__(self, model: str | None, dtype: str, threads: int,
+                 engine_kwargs: dict[str, Any]) -> None:
+        from pagedllm.llm import LLM
+        self.dtype, self.threads = dtype, threads
+        self.engine_kwargs = {**engine_kwargs, "dtype": dtype, "num_threads": threads}
+        t = time.perf_counter()
+        self.llm = LLM(model, **self.engine_kwargs)
+        self.load_s = time.perf_counter() - t
+        self._ids = 0
+
+    def versions(self) -> dict[str, str]:
+        return {"pagedllm": pagedllm_version(), "torch": torch.__version__}
+
+    def settings(self) -> dict:
+        cfg = self.llm.engine.config
+        return {"max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "block_size": cfg.block_size, "enable_prefix_caching": cfg.enable_prefix_caching,
+                "enforce_eager": cfg.enforce_eager,
+                "num_kv_blocks": self.llm.engine.model_runner.num_kvcache_blocks,
+                "load_s": round(self.load_s, 2)}
+
+    def warmup(self, workload: Workload) -> None:
+        self.llm.generate([r.prompt_token_ids for r in workload.requests],
+                          [exact_params(r) for r in workload.requests], use_tqdm=False)
+
+    def throughput(self, workload: Workload) -> ThroughputRun:
+        prompts = [r.prompt_token_ids for r in workload.requests]
+        params = [exact_params(r) for r in workload.requests]
+        engine = self.llm.engine
+        prompt_before, gen_before = engine.num_prompt_tokens, engine.num_generation_tokens
+        t = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - t
+        errors = [o.error for o in outputs if o.error]
+        if errors:
+            raise RuntimeError(f"pagedllm failed {len(errors)} requests: {errors[0]}")
+        return ThroughputRun(elapsed, [len(o.token_ids) for o in outputs], {
+            "computed_prompt_tokens": engine.num_prompt_tokens - prompt_before,
+            "cached_prompt_tokens": sum(o.metrics.num_cached_tokens for o in outputs),
+            "engine_generated_tokens": engine.num_generation_tokens - gen_before})
+
+    def latency(self, workload: Workload, iters: int) -> LatencyRun:
+        r = workload.requests[0]
+        ttfts, rates, lens = [], [], []
+        for _ in range(iters):
+            ttft, rate, n = self._one_stream(r)
+            ttfts.append(ttft)
+            rates.append(rate)
+            lens.append(n)
+        return LatencyRun(ttfts, rates, lens)
+
+    def _one_stream(self, r: BenchRequest) -> tuple[float, float, int]:
+        """One request alone through LLMEngine.step: TTFT and decode tokens/s."""
+        engine = self.llm.engine
+        request_id = f"bench-latency-{self._ids}"
+        self._ids += 1
+        start = time.perf_counter()
+        engine.add_request(request_id, r.prompt_token_ids, exact_params(r))
+        first = last = None
+        while True:
+            outputs = engine.step()
+            now = time.perf_counter()
+            out = next((o for o in outputs if o.request_id == request_id), None)
+            if out is None:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("the latency request vanished from the engine")
+                continue
+            if out.error:
+                raise RuntimeError(f"pagedllm failed the latency request: {out.error}")
+            first = first if first is not None else now
+            last = now
+            if out.finished:
+                n = len(out.token_ids)
+                decode = (n - 1) / (last - first) if n > 1 and last > first else float("nan")
+                return first - start, decode, n
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()

@@ -1,0 +1,136 @@
+"""Results out: a table a person reads, JSON a program reads, a PNG bar chart."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pagedllm.bench.results import BenchResult
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _primary(r: BenchResult) -> float | None:
+    """The figure engines are ranked by: decode tok/s for latency, output tok/s otherwise."""
+    return r.decode_tok_s if r.workload == "latency" else r.output_tok_s
+
+
+def relative_to(results: list[BenchResult], engine: str) -> dict[int, float]:
+    """Each row's primary figure divided by ``engine``'s on the same workload and dtype."""
+    base = {(r.workload, r.dtype): _primary(r) for r in results
+            if r.engine == engine}
+    out: dict[int, float] = {}
+    for i, r in enumerate(results):
+        b, v = base.get((r.workload, r.dtype)), _primary(r)
+        if b and v:
+            out[i] = v / b
+    return out
+
+
+def format_table(results: list[BenchResult]) -> str:
+    header = ["workload", "engine", "dtype", "thr", "out tok/s", "total tok/s", "req/s",
+              "TTFT ms", "decode tok/s", "roofline", "vs HF", "exact", "versions"]
+    vs_hf = relative_to(results, "hf-transformers")
+    rows = []
+    for i, r in enumerate(results):
+        versions = " ".join(f"{k} {v}" for k, v in r.versions.items())
+        engine = r.engine + (f" [{r.settings['label']}]" if r.settings.get("label") else "")
+        rows.append([r.workload, engine, r.dtype, str(r.threads), _fmt(r.output_tok_s),
+                     _fmt(r.total_tok_s), _fmt(r.req_s, ".2f"),
+                     _fmt(None if r.ttft_s is None else 1000 * r.ttft_s, ".0f"),
+                     _fmt(r.decode_tok_s), _pct(r.roofline_fraction),
+                     _fmt(vs_hf.get(i), ".2f") + "x" if i in vs_hf else "-",
+                     "yes" if r.exact_output_lens else "NO", versions])
+    widths = [max(len(h), *(len(row[c]) for row in rows)) if rows else len(h)
+              for c, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def format_serving(results: list[BenchResult]) -> str:
+    lines = []
+    for r in results:
+        if not r.serving:
+            continue
+        s = r.serving
+        lines.append(f"serving {r.engine} at {s['base_url']} (rate {s['request_rate']} req/s): "
+                     f"{s['completed']} ok / {s['failed']} failed in {s['duration_s']:.1f} s, "
+                     f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
+                     f"{s['total_token_throughput']:.1f} total tok/s")
+        lines.append(f"  {'metric':8} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}  (ms)")
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            m = s[metric]
+            lines.append(f"  {metric.upper():8} " + " ".join(
+                f"{_fmt(m[k], '.1f'):>9}" for k in ("mean", "p50", "p90", "p99")))
+    return "\n".join(lines)
+
+
+def format_machine(doc: dict[str, Any]) -> str:
+    hw, m = doc["hardware"], doc["machine"]
+    peaks = ", ".join(f"{k} {v:.0f}" for k, v in hw["matmul_gflops"].items())
+    mv = ", ".join(f"{k} {v:.1f}" for k, v in hw["matvec_gbs"].items())
+    cost = doc["model"]["cost"]
+    return (f"machine: {m.get('cpu', '?')}, {m.get('cpu_count')} cores, {hw['threads']} threads, "
+            f"load average at start {m.get('load_average')}\n"
+            f"measured: matmul peak GFLOP/s {peaks}; memory read {hw['memory_read_gbs']:.1f} GB/s; "
+            f"torch matvec streams GB/s {mv}\n"
+            f"model: {doc['model']['name']}, {cost['gflop_per_prompt_token']:.3f} GFLOP per prompt "
+            f"token, {cost['gflop_per_output_token']:.3f} per generated token (+ attention)")
+
+
+def write_json(doc: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+        f.write("\n")
+
+
+def write_chart(results: list[BenchResult], path: str, title: str) -> str | None:
+    """One panel per workload, one bar per engine and dtype; roofline as a dashed line.
+
+    Returns None when written, else why not (matplotlib missing).
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'pagedllm[bench]'): no chart"
+    workloads = list(dict.fromkeys(r.workload for r in results if _primary(r) is not None))
+    if not workloads:
+        return "no throughput or latency figures to chart"
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], workloads):
+        rows = [r for r in results if r.workload == name and _primary(r) is not None]
+        labels = [r.label.replace(" (", "\n(") for r in rows]
+        values = [_primary(r) for r in rows]
+        ax.bar(range(len(rows)), values, color=[_color(r.engine) for r in rows])
+        for x, r in enumerate(rows):
+            bound = (r.roofline or {}).get("tok_s")
+            if bound:
+                ax.hlines(bound, x - 0.4, x + 0.4, colors="black", linestyles="dashed")
+            value = _primary(r)
+            ax.annotate(f"{value:.0f}" if value >= 10 else f"{value:.2g}", (x, value),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(name)
+        ax.set_ylabel("decode tokens/s" if name == "latency" else "output tokens/s")
+    fig.suptitle(title + "\ndashed: the workload's roofline in that dtype", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _color(engine: str) -> str:
+    return {"pagedllm": "tab:blue", "hf-transformers": "tab:orange",
+            "llama.cpp": "tab:green"}.get(engine, "tab:gray")

@@ -1,0 +1,146 @@
+"""The cost of a workload from the model config, and the fastest the machine could run it.
+
+A token through the decoder body costs 2 FLOPs per weight of every linear layer; every
+output token needs one LM-head pass (2 * hidden * vocab), prompt tokens need none (logits
+only for the last one, which yields the first output token). Attention adds
+4 * heads * head_dim FLOPs per layer for every (query, key) pair it scores (QK^T and PV).
+
+The roofline of a workload is the larger of two lower bounds:
+  compute: all FLOPs at the measured matmul peak of the dtype;
+  memory:  the weights read once per decode step (at least max output length - 1 steps)
+           plus every decode token reading its whole context's K and V, at the measured
+           memory bandwidth.
+Work shared between requests (W3's common prefix) is counted once: the roofline belongs
+to the workload, not to an engine's choices.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pagedllm.bench.workloads import BenchRequest, Workload
+from pagedllm.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    body_flops_per_token: float   # every decoder layer's linear layers
+    head_flops_per_token: float   # the LM head
+    attn_flops_per_pair: float    # one (query, key) pair over all layers
+    weight_params: int            # parameters read by one decode step (body + LM head)
+    kv_elements_per_token: int    # K and V of one token over all layers
+
+    @property
+    def prompt_flops_per_token(self) -> float:
+        return self.body_flops_per_token
+
+    @property
+    def output_flops_per_token(self) -> float:
+        return self.body_flops_per_token + self.head_flops_per_token
+
+    def summary(self) -> dict:
+        return {**asdict(self), "gflop_per_prompt_token": self.prompt_flops_per_token / 1e9,
+                "gflop_per_output_token": self.output_flops_per_token / 1e9}
+
+
+def model_cost(mc: ModelConfig) -> ModelCost:
+    h, d = mc.hidden_size, mc.head_dim
+    q_out, kv_out = mc.num_attention_heads * d, mc.num_key_value_heads * d
+    attn_params = h * q_out + 2 * h * kv_out + q_out * h
+    mlp_params = 3 * h * mc.intermediate_size  # gate, up, down
+    body_params = mc.num_hidden_layers * (attn_params + mlp_params)
+    head_params = h * mc.vocab_size
+    return ModelCost(
+        body_flops_per_token=2.0 * body_params,
+        head_flops_per_token=2.0 * head_params,
+        attn_flops_per_pair=4.0 * mc.num_hidden_layers * q_out,
+        weight_params=body_params + head_params,
+        kv_elements_per_token=2 * mc.num_hidden_layers * kv_out)
+
+
+def _sum_range(lo: int, hi: int) -> int:
+    """lo + (lo+1) + ... + hi (0 when hi < lo)."""
+    return (lo + hi) * (hi - lo + 1) // 2 if hi >= lo else 0
+
+
+def request_flops(cost: ModelCost, r: BenchRequest, cached_prefix: int = 0) -> float:
+    """FLOPs of one request whose first ``cached_prefix`` prompt tokens are already computed.
+
+    Prefill runs the new prompt tokens and yields the first output token; each further
+    output token is one decode step (body + head), so output_len - 1 decode tokens.
+    """
+    p, o = r.prompt_len, r.output_len
+    body_tokens = (p - cached_prefix) + (o - 1)
+    # Query at position i (1-based) attends to i keys.
+    pairs = _sum_range(cached_prefix + 1, p) + _sum_range(p + 1, p + o - 1)
+    return (body_tokens * cost.body_flops_per_token + o * cost.head_flops_per_token
+            + pairs * cost.attn_flops_per_pair)
+
+
+def workload_flops(cost: ModelCost, workload: Workload) -> float:
+    """Total FLOPs, with a prefix shared by several requests computed only once."""
+    total, seen_prefix = 0.0, False
+    for r in workload.requests:
+        # The first request with a shared prefix pays for it; the others find it cached.
+        cached = r.shared_prefix_len if seen_prefix else 0
+        total += request_flops(cost, r, cached)
+        seen_prefix = seen_prefix or r.shared_prefix_len > 0
+    return total
+
+
+def workload_min_bytes(cost: ModelCost, workload: Workload, itemsize: int) -> float:
+    """Bytes that must cross the memory bus at least: weights per decode step, K/V per decode token."""
+    decode_steps = max(r.output_len for r in workload.requests) - 1
+    kv_reads = sum(_sum_range(r.prompt_len + 1, r.prompt_len + r.output_len - 1)
+                   for r in workload.requests)
+    return itemsize * (decode_steps * cost.weight_params + kv_reads * cost.kv_elements_per_token)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    flops: float
+    min_bytes: float
+    peak_gflops: float
+    bandwidth_gbs: float
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.flops / (self.peak_gflops * 1e9)
+
+    @property
+    def memory_seconds(self) -> float:
+        return self.min_bytes / (self.bandwidth_gbs * 1e9)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_seconds, self.memory_seconds)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
+
+    def summary(self) -> dict:
+        return {"gflop": self.flops / 1e9, "min_gbytes": self.min_bytes / 1e9,
+                "peak_gflops": self.peak_gflops, "bandwidth_gbs": self.bandwidth_gbs,
+                "compute_seconds": self.compute_seconds, "memory_seconds": self.memory_seconds,
+                "seconds": self.seconds, "bound": self.bound}
+
+
+def workload_roofline(cost: ModelCost, workload: Workload, itemsize: int, peak_gflops: float,
+                      bandwidth_gbs: float) -> Roofline:
+    return Roofline(workload_flops(cost, workload), workload_min_bytes(cost, workload, itemsize),
+                    peak_gflops, bandwidth_gbs)
+
+
+def decode_step_roofline_seconds(cost: ModelCost, context_len: int, itemsize: int,
+                                 peak_gflops: float, bandwidth_gbs: float) -> float:
+    """Fastest single-stream decode step at a given context length (W2's decode bound)."""
+    flops = cost.output_flops_per_token + context_len * cost.attn_flops_per_pair
+    nbytes = itemsize * (cost.weight_params + context_len * cost.kv_elements_per_token)
+    return max(flops / (peak_gflops * 1e9), nbytes / (bandwidth_gbs * 1e9))
+
+
+def prefill_roofline_seconds(cost: ModelCost, prompt_len: int, peak_gflops: float) -> float:
+    """Fastest time to first token: the prompt's FLOPs plus one LM head at peak."""
+    flops = (prompt_len * cost.body_flops_per_token + cost.head_flops_per_token
+             + _sum_range(1, prompt_len) * cost.attn_flops_per_pair)
+    return flops / (peak_gflops * 1e9)

@@ -1,0 +1,104 @@
+"""`pagedllm bench` as a real process on tiny workloads: the JSON it writes is checked."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+BASE = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench"]
+TINY = ["--num-prompts", "3", "--input-len", "8:24", "--output-len", "3:6", "--prefix-len", "32",
+        "--latency-iters", "1", "--quick-machine", "--kv-cache-memory-bytes", str(64 * 2**20)]
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(BASE + args, capture_output=True, text=True, env=ENV, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def bench_all(tmp_path_factory):
+    """One run of every offline workload, pagedllm and HF transformers side by side."""
+    out = tmp_path_factory.mktemp("bench")
+    json_path = out / "all.json"
+    r = run(["all", "--dtype", "float32", "--compare", "hf", "--hf-batch-sizes", "1,3",
+             *TINY, "--output-json", str(json_path)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads(json_path.read_text()), out
+
+
+def rows(doc, engine, workload):
+    return [r for r in doc["results"] if r["engine"] == engine and r["workload"] == workload]
+
+
+def test_every_engine_ran_every_workload(bench_all):
+    _, doc, _ = bench_all
+    got = sorted((r["engine"], r["workload"], r["settings"].get("label", "")) for r in doc["results"])
+    assert got == sorted([
+        ("hf-transformers", "latency", ""), ("hf-transformers", "prefix", ""),
+        ("hf-transformers", "throughput", ""), ("pagedllm", "latency", ""),
+        ("pagedllm", "prefix", "prefix caching off"), ("pagedllm", "prefix", "prefix caching on"),
+        ("pagedllm", "throughput", "")])
+
+
+def test_every_request_produced_exactly_its_requested_length(bench_all):
+    _, doc, _ = bench_all
+    workloads = {w["name"]: w for w in doc["workloads"]}
+    for r in doc["results"]:
+        w = workloads[r["workload"]]
+        assert r["exact_output_lens"], r
+        assert r["output_tokens"] == r["requested_output_tokens"]
+        if r["workload"] != "latency":
+            assert r["output_tokens"] == w["output_tokens"]
+            assert r["prompt_tokens"] == w["prompt_tokens"]
+    assert workloads["latency"]["num_requests"] == 1
+
+
+def test_rows_state_engine_dtype_threads_versions_and_roofline(bench_all):
+    _, doc, _ = bench_all
+    for r in doc["results"]:
+        assert r["dtype"] == "float32" and r["threads"] == os.cpu_count()
+        assert r["versions"]["torch"].startswith("2.")
+        key = "transformers" if r["engine"] == "hf-transformers" else "pagedllm"
+        assert r["versions"][key]
+        assert 0 < r["roofline_fraction"] <= 1, r
+        if r["workload"] == "latency":
+            assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0
+        else:
+            assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"] and r["req_s"] > 0
+    hw = doc["hardware"]
+    assert hw["matmul_gflops"]["float32"] > 0 and hw["memory_read_gbs"] > 0
+    assert 0.2 < doc["model"]["cost"]["gflop_per_prompt_token"] < 0.22
+
+
+def test_prefix_caching_rows_differ_in_cached_tokens(bench_all):
+    _, doc, _ = bench_all
+    by_label = {r["settings"]["label"]: r for r in rows(doc, "pagedllm", "prefix")}
+    assert by_label["prefix caching on"]["settings"]["cached_prompt_tokens"] > 0
+    assert by_label["prefix caching off"]["settings"]["cached_prompt_tokens"] == 0
+
+
+def test_hf_reports_the_best_of_its_batch_sizes(bench_all):
+    _, doc, _ = bench_all
+    r = rows(doc, "hf-transformers", "throughput")[0]
+    tried = r["settings"]["output_tok_s_by_batch_size"]
+    assert set(tried) == {"1", "3"}
+    assert r["settings"]["batch_size"] in (1, 3)
+    assert r["output_tok_s"] == pytest.approx(max(tried.values()), rel=0.01)
+
+
+def test_table_and_chart_are_written(bench_all):
+    r, doc, out = bench_all
+    assert "out tok/s" in r.stdout and "hf-transformers" in r.stdout
+    png = doc["outputs"]["png"]
+    assert png == str(out / "all.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_llamacpp_without_a_server_binary_is_a_clear_error():
+    r = run(["throughput", "--compare", "llamacpp"])
+    assert r.returncode == 2
+    assert "--llama-server" in r.stderr

@@ -1,0 +1,58 @@
+"""The FLOP and byte model behind the roofline, checked against the model's real layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.bench.roofline import (model_cost, request_flops, workload_flops,
+                                     workload_min_bytes, workload_roofline)
+from pagedllm.bench.workloads import BenchRequest, Workload
+from pagedllm.loader import load_model_source
+from pagedllm.models.registry import model_class
+
+
+@pytest.fixture(scope="module")
+def smollm_config():
+    return load_model_source(None).config
+
+
+def test_flops_per_token_equal_twice_the_linear_weights_of_the_real_model(smollm_config):
+    with torch.device("meta"):
+        model = model_class(smollm_config)(smollm_config)
+    body = sum(p.numel() for n, p in model.named_parameters()
+               if n.startswith("model.layers.") and p.dim() == 2)
+    head = model.lm_head.weight.numel()
+    cost = model_cost(smollm_config)
+    assert cost.body_flops_per_token == 2 * body
+    assert cost.head_flops_per_token == 2 * head
+    # Issue 3's figures for SmolLM2-135M: ~0.21 GFLOP per prompt token, ~0.27 per generated one.
+    assert round(cost.prompt_flops_per_token / 1e9, 2) == 0.21
+    assert round(cost.output_flops_per_token / 1e9, 2) == 0.27
+
+
+def test_request_flops_count_every_attention_pair_once(smollm_config):
+    cost = model_cost(smollm_config)
+    r = BenchRequest(list(range(3)), output_len=2)  # prefill 3 tokens, then 1 decode step
+    # Queries at positions 1..3 see 1+2+3 keys; the decode query at position 4 sees 4.
+    expected = (4 * cost.body_flops_per_token + 2 * cost.head_flops_per_token
+                + (1 + 2 + 3 + 4) * cost.attn_flops_per_pair)
+    assert request_flops(cost, r) == expected
+
+
+def test_a_shared_prefix_is_paid_for_once(smollm_config):
+    cost = model_cost(smollm_config)
+    prefix = list(range(32))
+    reqs = [BenchRequest(prefix + [100 + i], 1, shared_prefix_len=32) for i in range(3)]
+    w = Workload("prefix", "", reqs)
+    assert workload_flops(cost, w) == request_flops(cost, reqs[0]) + 2 * request_flops(cost, reqs[1], 32)
+
+
+def test_roofline_is_the_slower_of_compute_and_memory(smollm_config):
+    cost = model_cost(smollm_config)
+    w = Workload("latency", "", [BenchRequest(list(range(128)), 256)])
+    roof = workload_roofline(cost, w, itemsize=2, peak_gflops=367.0, bandwidth_gbs=30.0)
+    assert roof.min_bytes == workload_min_bytes(cost, w, 2)
+    assert roof.bound == "memory"  # one stream reads all weights per token
+    assert roof.seconds == max(roof.compute_seconds, roof.memory_seconds)
+    # 255 steps x ~0.27 GB of bf16 weights at 30 GB/s: a little over 2 s.
+    assert 2.0 < roof.seconds < 2.6
