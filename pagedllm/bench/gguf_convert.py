@@ -24,12 +24,13 @@ _TARGETS = {"float32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
             "bfloat16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16)}
 # Keys the writer sets itself or that describe the source file's encoding.
 _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type")
+_CONVERTER_VERSION = 2  # part of the cache key: a fixed converter never reuses an old file
 
 
 def gguf_cache_path(src: str, dtype: str, cache_dir: str | None = None) -> str:
     """Where the converted file lives: keyed by the source's path, size and mtime."""
     st = os.stat(src)
-    key = hashlib.sha1(f"{os.path.abspath(src)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{os.path.abspath(src)}:{st.st_size}:{st.st_mtime_ns}:{_CONVERTER_VERSION}".encode()).hexdigest()[:12]
     directory = cache_dir or os.path.join(tempfile.gettempdir(), "pagedllm-bench-gguf")
     stem = os.path.splitext(os.path.basename(src))[0]
     return os.path.join(directory, f"{stem}-{key}.{_TARGETS[dtype][0].name}.gguf")
@@ -52,7 +53,8 @@ def convert_gguf(src: str, dst: str, dtype: str) -> str:
         weight = dequantize(tensor.data, tensor.tensor_type, shape, tensor.name).numpy()
         target = qtype if weight.ndim > 1 else GGMLQuantizationType.F32
         data = quantize(weight, target) if target != GGMLQuantizationType.F32 else weight
-        writer.add_tensor(tensor.name, data, raw_shape=weight.shape, raw_dtype=target)
+        # BF16 comes back as raw bytes; the writer derives the element shape from them.
+        writer.add_tensor(tensor.name, data, raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
