@@ -13,7 +13,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.loader import load_model_source
 from pagedllm.loader.validate import check_fits_in_memory
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -33,6 +33,7 @@ class _RequestState:
     text: str = ""
     last_delta: str = ""
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -126,7 +127,9 @@ class LLMEngine:
         seq = Sequence(token_ids, sampling_params, self.config.block_size, request_id, now)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids,
                                        skip_special_tokens=sampling_params.skip_special_tokens)
-        self.requests[request_id] = _RequestState(seq, text, detok, RequestMetrics(now))
+        self.requests[request_id] = _RequestState(
+            seq, text, detok, RequestMetrics(now),
+            logprobs=[] if sampling_params.logprobs is not None else None)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -171,7 +174,7 @@ class LLMEngine:
         try:
             if self.faults is not None:
                 self.faults.batch = seqs
-            token_ids = self.model_runner.run(seqs, is_prefill, self.eos_token_ids)
+            sampled = self.model_runner.run(seqs, is_prefill, self.eos_token_ids)
         except Exception as e:  # one bad batch must not take the engine down
             logger.exception("step failed for requests %s", [s.request_id for s in seqs])
             outputs = self._fail(seqs, f"{type(e).__name__}: {e}")
@@ -181,8 +184,13 @@ class LLMEngine:
         if is_prefill:
             self.num_prompt_tokens += num_tokens
         self.num_generation_tokens += len(seqs)
+        if sampled.logprobs is not None:
+            for seq, logprobs in zip(seqs, sampled.logprobs):
+                state = self.requests[seq.request_id]
+                if logprobs is not None and state.logprobs is not None:
+                    state.logprobs.append(logprobs)
         try:
-            self.scheduler.postprocess(seqs, token_ids)
+            self.scheduler.postprocess(seqs, sampled.token_ids)
         except Exception as e:
             raise self._die(f"postprocessing failed: {type(e).__name__}: {e}") from e
         outputs = [self._process_new_token(seq) for seq in seqs]
@@ -280,8 +288,9 @@ class LLMEngine:
             state.metrics.finished_time = time.time()
             state.metrics.num_preemptions = seq.num_preemptions
             self.requests.pop(seq.request_id, None)
-        completion = CompletionOutput(0, state.text, seq.completion_token_ids,
-                                      seq.finish_reason, seq.stop_reason)
+        completion = CompletionOutput(
+            0, state.text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason,
+            list(state.logprobs) if state.logprobs is not None else None)
         return RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, [completion],
                              finished, state.metrics, state.error)
 
