@@ -46,6 +46,31 @@ class StepStats:
     seconds: float = 0.0
 
 
+@dataclass
+class EngineStats:
+    """Counters and gauges for /metrics, read on the engine's own thread."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass
+class KVCacheSnapshot:
+    """Everything a picture of the paged KV cache needs, as plain data (JSON-ready)."""
+
+    block_size: int
+    ref_counts: list[int]          # per physical block; 0 = free
+    cached: list[bool]             # per block: holds a prefix reusable by its hash
+    requests: list[dict]           # running and waiting requests with their block tables
+    stats: EngineStats
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -295,6 +320,27 @@ class LLMEngine:
                              finished, state.metrics, state.error)
 
     # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks, num_used_blocks=bm.num_blocks - bm.num_free_blocks,
+            num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
+            prefix_cache_hit_rate=bm.hit_rate, num_preemptions=self.scheduler.num_preemptions)
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """State of every physical block and every request's block table, for the web UI."""
+        bm = self.scheduler.block_manager
+        cached = [b.hash != -1 and bm.hash_to_block_id.get(b.hash) == b.block_id
+                  for b in bm.blocks]
+        requests = [{"request_id": seq.request_id, "status": seq.status.name.lower(),
+                     "num_prompt_tokens": seq.num_prompt_tokens, "num_tokens": len(seq),
+                     "num_cached_tokens": seq.num_cached_tokens,
+                     "block_table": list(seq.block_table)}
+                    for seq in (*self.scheduler.running, *self.scheduler.waiting)]
+        return KVCacheSnapshot(bm.block_size, [b.ref_count for b in bm.blocks], cached,
+                               requests, self.stats())
 
     @property
     def num_running(self) -> int:
