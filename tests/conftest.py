@@ -99,6 +99,14 @@ class ServerProcess:
             self._log.flush()
         return self.log_path.read_text()[-4000:]
 
+    def stop_and_check(self) -> None:
+        """SIGTERM -> graceful shutdown (uvicorn re-raises the signal, so -SIGTERM is clean)."""
+        import signal
+        code = self.stop()
+        log = self.log()
+        assert code in (0, -signal.SIGTERM), f"the server exited with {code}:\n{log}"
+        assert "engine loop stopped" in log, f"the engine loop did not stop cleanly:\n{log}"
+
     def stop(self) -> int:
         import subprocess
         if self.proc.poll() is None:
@@ -125,5 +133,4 @@ def server(start_server):
     """One served bundled model shared by the server and browser tests (96-block KV cache)."""
     proc = start_server("server", [])
     yield proc
-    code = proc.stop()
-    assert code == 0, f"the server did not shut down cleanly ({code}):\n{proc.log()}"
+    proc.stop_and_check()

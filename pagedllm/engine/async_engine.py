@@ -196,6 +196,7 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests():
                     self._step()
             error: BaseException = EngineDeadError("the engine was shut down")
+            logger.info("engine loop stopped")
         except BaseException as e:  # noqa: BLE001 - whatever killed the loop is reported
             logger.exception("engine loop died")
             error = e

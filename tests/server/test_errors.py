@@ -88,7 +88,7 @@ def guarded(start_server):
     proc = start_server("guarded", ["--api-key", KEY, "--max-num-seqs", "1",
                                     "--max-waiting-requests", "1", "--max-body-bytes", "4096"])
     yield proc
-    assert proc.stop() == 0, proc.log()
+    proc.stop_and_check()
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -245,3 +245,41 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, model):
     wait_until_idle(server)
     generated = metric(server, "pagedllm_generation_tokens_total") - generated_before
     assert generated < 400, "the request ran to the end instead of being aborted"
+
+
+# ---- the engine loop dying: 503 and no hang --------------------------------------------------
+
+
+def test_a_dead_engine_loop_gives_503_and_never_hangs(reference, monkeypatch):
+    """Fault injection on a real engine: scheduling raises outside the per-batch isolation,
+    so the loop itself dies. Waiting streams, new requests and /health all say so."""
+    from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, create_app
+
+    engine = reference.engine
+    llm = AsyncLLM(engine)
+    app = create_app(llm, ServerConfig(), "m")
+
+    def broken_schedule():
+        raise RuntimeError("injected scheduler fault")
+
+    async def scenario() -> None:
+        llm.start()
+        monkeypatch.setattr(engine.scheduler, "schedule", broken_schedule)
+        with pytest.raises(EngineDeadError, match="injected scheduler fault"):
+            async for _ in llm.generate("Hello", SamplingParams(max_tokens=4), "doomed"):
+                pass
+        assert not llm.is_alive
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503 and "Retry-After" in r.headers
+            assert r.json()["error"]["code"] == 503
+            assert (await http.get("/health")).status_code == 503
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+    finally:
+        monkeypatch.undo()
+        engine.abort_request("doomed")
+    assert not engine.has_unfinished_requests()

@@ -5,7 +5,7 @@ import asyncio
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -15,7 +15,7 @@ from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullErr
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.streaming import DeltaTracker, merge, sse
-from pagedllm.outputs import RequestOutput, TokenLogprobs
+from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
@@ -31,6 +31,7 @@ class _Prepared:
     sampling_params: SamplingParams
     prompts: list[list[int]]
     include_usage: bool
+    finals: list[RequestOutput] = field(default_factory=list)  # filled as requests finish
 
 
 class OpenAIServing:
@@ -90,30 +91,43 @@ class OpenAIServing:
         if req.stream:
             return _event_stream(self._completion_events(prep))
         finals = await _collect(self._streams(prep), raw)
-        choices = [{"index": i, "text": out.text, "finish_reason": _finish_reason(out),
-                    "logprobs": self._completion_logprobs(out.outputs[0].logprobs)
+        choices = [{"index": index, "text": c.text, "finish_reason": c.finish_reason,
+                    "logprobs": self._completion_logprobs(c.logprobs)
                     if sp.logprobs is not None else None}
-                   for i, out in enumerate(finals)]
+                   for index, c in _choices(finals, sp.n)]
         return {"id": prep.request_id, "object": "text_completion", "created": prep.created,
                 "model": self.model_name, "choices": choices, "usage": _usage(finals)}
 
     async def _completion_events(self, prep: _Prepared) -> AsyncIterator[str]:
-        trackers = [DeltaTracker(prep.sampling_params) for _ in prep.prompts]
+        sp = prep.sampling_params
+        async for index, c, text, logprobs in self._deltas(prep):
+            yield sse(self._chunk(prep, "text_completion", {
+                "index": index, "text": text, "finish_reason": c.finish_reason,
+                "logprobs": self._completion_logprobs(logprobs) if sp.logprobs is not None else None}))
+        if prep.include_usage:
+            yield sse(self._usage_chunk(prep, "text_completion", prep.finals))
+
+    async def _deltas(self, prep: _Prepared
+                      ) -> AsyncIterator[tuple[int, CompletionOutput, str, list[TokenLogprobs]]]:
+        """(choice index, completion, new text, new logprobs) whenever a choice has news;
+        the finished outputs are left in prep.finals for the usage."""
+        n = prep.sampling_params.n
+        trackers: dict[int, DeltaTracker] = {}
         finals: dict[int, RequestOutput] = {}
         async with aclosing(merge(self._streams(prep))) as outputs:
             async for i, out in outputs:
                 _raise_on_error(out)
-                text, _, logprobs = trackers[i].delta(out)
                 if out.finished:
                     finals[i] = out
-                if not text and not out.finished:
-                    continue
-                choice = {"index": i, "text": text, "finish_reason": _finish_reason(out),
-                          "logprobs": self._completion_logprobs(logprobs)
-                          if prep.sampling_params.logprobs is not None else None}
-                yield sse(self._chunk(prep, "text_completion", choice))
-        if prep.include_usage:
-            yield sse(self._usage_chunk(prep, "text_completion", list(finals.values())))
+                for c in out.outputs:
+                    index = i * n + c.index
+                    tracker = trackers.setdefault(index, DeltaTracker(prep.sampling_params))
+                    if tracker.done:
+                        continue
+                    text, logprobs = tracker.delta(c)
+                    if text or c.finish_reason is not None:
+                        yield index, c, text, logprobs
+        prep.finals = [finals[i] for i in sorted(finals)]
 
     def _completion_logprobs(self, logprobs: list[TokenLogprobs] | None) -> dict | None:
         if logprobs is None:
@@ -148,36 +162,26 @@ class OpenAIServing:
         if req.stream:
             return _event_stream(self._chat_events(prep))
         finals = await _collect(self._streams(prep), raw)
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": self._chat_logprobs(out.outputs[0].logprobs)
-                    if num_logprobs is not None else None,
-                    "finish_reason": _finish_reason(out)}
-                   for i, out in enumerate(finals)]
+        choices = [{"index": index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c.logprobs) if num_logprobs is not None else None,
+                    "finish_reason": c.finish_reason}
+                   for index, c in _choices(finals, sp.n)]
         return {"id": prep.request_id, "object": "chat.completion", "created": prep.created,
                 "model": self.model_name, "choices": choices, "usage": _usage(finals)}
 
     async def _chat_events(self, prep: _Prepared) -> AsyncIterator[str]:
-        trackers = [DeltaTracker(prep.sampling_params) for _ in prep.prompts]
-        finals: dict[int, RequestOutput] = {}
-        for i in range(len(prep.prompts)):
+        sp = prep.sampling_params
+        for index in range(len(prep.prompts) * sp.n):
             yield sse(self._chunk(prep, "chat.completion.chunk", {
-                "index": i, "delta": {"role": "assistant", "content": ""},
+                "index": index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}))
-        async with aclosing(merge(self._streams(prep))) as outputs:
-            async for i, out in outputs:
-                _raise_on_error(out)
-                text, _, logprobs = trackers[i].delta(out)
-                if out.finished:
-                    finals[i] = out
-                if not text and not out.finished:
-                    continue
-                yield sse(self._chunk(prep, "chat.completion.chunk", {
-                    "index": i, "delta": {"content": text} if text else {},
-                    "logprobs": self._chat_logprobs(logprobs)
-                    if prep.sampling_params.logprobs is not None else None,
-                    "finish_reason": _finish_reason(out)}))
+        async for index, c, text, logprobs in self._deltas(prep):
+            yield sse(self._chunk(prep, "chat.completion.chunk", {
+                "index": index, "delta": {"content": text} if text else {},
+                "logprobs": self._chat_logprobs(logprobs) if sp.logprobs is not None else None,
+                "finish_reason": c.finish_reason}))
         if prep.include_usage:
-            yield sse(self._usage_chunk(prep, "chat.completion.chunk", list(finals.values())))
+            yield sse(self._usage_chunk(prep, "chat.completion.chunk", prep.finals))
 
     def _chat_logprobs(self, logprobs: list[TokenLogprobs] | None) -> dict | None:
         if logprobs is None:
@@ -208,13 +212,14 @@ class OpenAIServing:
                 "model": self.model_name, "choices": [], "usage": _usage(finals)}
 
 
-def _finish_reason(out: RequestOutput) -> str | None:
-    return out.finish_reason if out.finished else None
+def _choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
+    """Every completion of every prompt with its choice index (prompt i, sample j -> i*n+j)."""
+    return [(i * n + c.index, c) for i, out in enumerate(finals) for c in out.outputs]
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

@@ -6,12 +6,12 @@ import json
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-from pagedllm.outputs import RequestOutput, TokenLogprobs
+from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
 class DeltaTracker:
-    """What is new in each output of one request.
+    """What is new in each output of one completion (one choice).
 
     With stop strings, the last (longest stop - 1) characters are held back until the next
     token or the end: if a stop string completes later, the engine cuts it from the text,
@@ -25,18 +25,18 @@ class DeltaTracker:
             self.holdback = 0
         self.sent_chars = 0
         self.sent_tokens = 0
+        self.done = False
 
-    def delta(self, out: RequestOutput) -> tuple[str, list[int], list[TokenLogprobs]]:
-        """(new text, new token ids, their logprobs) to send for this output."""
-        completion = out.outputs[0]
-        end = len(completion.text) if out.finished else max(
+    def delta(self, completion: CompletionOutput) -> tuple[str, list[TokenLogprobs]]:
+        """(new text, logprobs of the new tokens) to send for this output."""
+        finished = self.done = completion.finish_reason is not None
+        end = len(completion.text) if finished else max(
             self.sent_chars, len(completion.text) - self.holdback)
         text = completion.text[self.sent_chars:end]
         self.sent_chars = end
-        tokens = completion.token_ids[self.sent_tokens:]
         logprobs = (completion.logprobs or [])[self.sent_tokens:]
         self.sent_tokens = len(completion.token_ids)
-        return text, tokens, logprobs
+        return text, logprobs
 
 
 def sse(data: dict[str, Any] | str) -> str:
