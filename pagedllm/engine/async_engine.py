@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine, Prompt, StepStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -27,10 +28,6 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 StepObserver = Callable[[StepStats, list[RequestOutput], float], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (crash or shutdown); no request can be served."""
 
 
 class QueueFullError(RuntimeError):
