@@ -5,12 +5,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own and the k most likely, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None      # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # One entry per generated token when SamplingParams.logprobs is set, else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

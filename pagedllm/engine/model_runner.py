@@ -13,7 +13,8 @@ from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.config import EngineConfig
 from pagedllm.engine.fault_injection import FaultInjector
 from pagedllm.engine.sequence import Sequence
-from pagedllm.layers.sampler import SamplingBatch, sample
+from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
+                                     sample)
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.registry import model_class
 
@@ -150,9 +151,13 @@ class ModelRunner:
         for row, (seq, sp) in enumerate(zip(seqs, params)):
             if seq.num_completion_tokens < sp.min_tokens:
                 banned.append((row, [*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids]))
+        penalties = self.prepare_penalties(seqs) if any(sp.has_penalties for sp in params) else None
+        num_logprobs = ([sp.logprobs for sp in params]
+                        if any(sp.logprobs is not None for sp in params) else None)
         all_greedy = all(sp.temperature == 0 for sp in params)
         if all_greedy:
-            return SamplingBatch(torch.zeros(len(seqs)), None, None, None, [], True, banned)
+            return SamplingBatch(torch.zeros(len(seqs)), None, None, None, [], True, banned,
+                                 penalties, num_logprobs)
         top_ks = [sp.top_k if sp.top_k > 0 else vocab for sp in params]
         top_ps = [sp.top_p for sp in params]
         min_ps = [sp.min_p for sp in params]
@@ -162,12 +167,31 @@ class ModelRunner:
             top_ps=torch.tensor(top_ps) if any(p < 1 for p in top_ps) else None,
             min_ps=torch.tensor(min_ps) if any(p > 0 for p in min_ps) else None,
             generators=[seq.generator for seq in seqs],
-            all_greedy=False, banned=banned)
+            all_greedy=False, banned=banned, penalties=penalties, num_logprobs=num_logprobs)
+
+    def prepare_penalties(self, seqs: list[Sequence]) -> Penalties:
+        """Token counts of each row's output and a mask of its prompt (rows without penalties
+        stay zero and get neutral factors)."""
+        vocab = self.model_config.vocab_size
+        output_counts = torch.zeros(len(seqs), vocab)
+        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+        for row, seq in enumerate(seqs):
+            if not seq.sampling_params.has_penalties:
+                continue
+            output = torch.tensor(seq.completion_token_ids, dtype=torch.int64)
+            output_counts[row].index_add_(0, output, torch.ones(len(output)))
+            prompt_mask[row, torch.tensor(seq.prompt_token_ids, dtype=torch.int64)] = True
+        params = [seq.sampling_params for seq in seqs]
+        return Penalties(
+            repetition=torch.tensor([sp.repetition_penalty for sp in params], dtype=torch.float32),
+            frequency=torch.tensor([sp.frequency_penalty for sp in params], dtype=torch.float32),
+            presence=torch.tensor([sp.presence_penalty for sp in params], dtype=torch.float32),
+            output_counts=output_counts, prompt_mask=prompt_mask)
 
     # ---- the step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: list[int]) -> list[int]:
+    def run(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: list[int]) -> SamplerOutput:
         input_ids, positions = (self.prepare_prefill(seqs) if is_prefill
                                 else self.prepare_decode(seqs))
         try:
@@ -180,4 +204,7 @@ class ModelRunner:
         batch = self.prepare_sample(seqs, eos_token_ids)
         if self.faults is not None:
             self.faults.check("sampler", seqs)
-        return sample(logits, batch, self.generator).tolist()
+        token_ids = sample(logits, batch, self.generator)
+        logprobs = (compute_logprobs(logits, batch, token_ids)
+                    if batch.num_logprobs is not None else None)
+        return SamplerOutput(token_ids.tolist(), logprobs)

@@ -1,4 +1,4 @@
-"""The `pagedllm` command: generate, chat, bench (and, as it lands, serve)."""
+"""The `pagedllm` command: generate, chat, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +64,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, args.argv[1:])
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, run_server
+    from pagedllm.logger import init_logging
+    init_logging()
+    model = args.model_path or args.model
+    server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name,
+                          max_body_bytes=args.max_body_bytes,
+                          max_waiting_requests=args.max_waiting_requests)
+    engine = AsyncLLM.from_config(EngineConfig.from_cli_args(args, model=model),
+                                  max_waiting_requests=server.max_waiting_requests)
+    run_server(engine, server, server.served_model_name or _model_name(model))
+    return 0
+
+
+def _model_name(model: str | None) -> str:
+    """The file or directory name, e.g. SmolLM2-135M-Instruct.Q4_1 for the bundled model."""
+    import os
+    from pagedllm.loader import default_model_path
+    name = os.path.basename(os.path.normpath(model or default_model_path()))
+    return name.removesuffix(".gguf")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_path", nargs="?", default=None, metavar="PATH",
+                   help="GGUF file or HF directory (default: the bundled SmolLM2-135M-Instruct)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on the API (not on /health)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model's name)")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="waiting requests beyond which new ones get 503 + Retry-After (default: 256)")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted; larger ones get 413 (default: 1 MiB)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.bench.main import add_bench_args
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a live KV-cache page")
+    _add_serve_args(serve)
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

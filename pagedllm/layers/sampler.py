@@ -1,4 +1,5 @@
-"""The sampler: greedy, or temperature / top-k / top-p / min-p then Gumbel-max (seed 002).
+"""The sampler: penalties, then greedy, or temperature / top-k / top-p / min-p then
+Gumbel-max (seed 002); optionally the logprobs of what was sampled.
 
 Gumbel-max: argmax(p_i / E_i) with E_i ~ Exponential(1) draws i with probability p_i.
 A request with a seed draws its noise from its own generator, so its samples do not
@@ -9,6 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pagedllm.outputs import TokenLogprobs
+
+
+@dataclass
+class Penalties:
+    """Per-row penalty inputs with vLLM's semantics; built only when a row uses a penalty.
+
+    Repetition penalty looks at prompt and output tokens; presence and frequency penalties
+    look at output tokens only.
+    """
+
+    repetition: torch.Tensor       # [B] float32, 1 = off
+    frequency: torch.Tensor        # [B] float32, 0 = off
+    presence: torch.Tensor         # [B] float32, 0 = off
+    output_counts: torch.Tensor    # [B, V] float32: times each token was generated so far
+    prompt_mask: torch.Tensor      # [B, V] bool: token occurs in the prompt
 
 
 @dataclass
@@ -23,6 +41,30 @@ class SamplingBatch:
     all_greedy: bool
     # (row, token ids) whose logits are forced to -inf, e.g. EOS before min_tokens
     banned: list[tuple[int, list[int]]]
+    penalties: Penalties | None = None
+    # Per row: how many top logprobs to return (0 = only the sampled token's), None = none.
+    # The whole list is None when no row asks, so the common step does no logprob work.
+    num_logprobs: list[int | None] | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """What one step sampled: a token per row and, if any row asked, its logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Repetition penalty (divide positive logits, multiply negative ones, for every token
+    seen in prompt or output), then frequency (x count) and presence (x seen) penalties
+    subtracted for tokens generated so far."""
+    generated = p.output_counts > 0
+    rep = p.repetition[:, None].expand_as(logits)
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(p.prompt_mask | generated, repeated, logits)
+    return (logits - p.frequency[:, None] * p.output_counts
+            - p.presence[:, None] * generated.to(logits.dtype))
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
@@ -63,6 +105,8 @@ def _exponential_noise(shape: tuple[int, int], generators: list[torch.Generator 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
     """Token ids [B] drawn from logits [B, V]."""
     logits = logits.float()
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
     for row, token_ids in batch.banned:
         logits[row, token_ids] = float("-inf")
     greedy_tokens = logits.argmax(-1)
@@ -76,3 +120,40 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     noise = _exponential_noise(tuple(probs.shape), batch.generators, generator)
     sampled = (probs / noise.clamp_min_(1e-10)).argmax(-1)
     return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _take_rows(p: Penalties, rows: torch.Tensor) -> Penalties:
+    return Penalties(p.repetition[rows], p.frequency[rows], p.presence[rows],
+                     p.output_counts[rows], p.prompt_mask[rows])
+
+
+def compute_logprobs(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor
+                     ) -> list[TokenLogprobs | None]:
+    """Logprobs of the distribution each row was sampled from: the logits after penalties,
+    banned tokens and temperature (greedy rows: temperature 1), before the top-k / top-p /
+    min-p cut. Only the rows that asked are computed."""
+    assert batch.num_logprobs is not None
+    wanted = [row for row, k in enumerate(batch.num_logprobs) if k is not None]
+    result: list[TokenLogprobs | None] = [None] * len(batch.num_logprobs)
+    if not wanted:
+        return result
+    rows = torch.tensor(wanted)
+    x = logits[rows].float()
+    if batch.penalties is not None:
+        x = apply_penalties(x, _take_rows(batch.penalties, rows))
+    x = x.clone()
+    position = {row: i for i, row in enumerate(wanted)}
+    for row, banned in batch.banned:
+        if row in position:
+            x[position[row], banned] = float("-inf")
+    temps = batch.temperatures[rows]
+    temps = torch.where(temps == 0, torch.ones_like(temps), temps)
+    logprobs = (x / temps[:, None]).log_softmax(-1)
+    k = max(batch.num_logprobs[row] or 0 for row in wanted)
+    top_values, top_ids = logprobs.topk(k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen = logprobs.gather(-1, token_ids[rows][:, None]).squeeze(-1)
+    for i, row in enumerate(wanted):
+        n = batch.num_logprobs[row] or 0
+        result[row] = TokenLogprobs(int(token_ids[row]), float(chosen[i]),
+                                    list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())))
+    return result

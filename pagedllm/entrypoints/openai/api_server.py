@@ -1,0 +1,212 @@
+"""The FastAPI app: OpenAI-compatible endpoints, the job API, metrics, the KV-cache page."""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.errors import (APIError, error_body, error_response,
+                                                validation_error)
+from pagedllm.entrypoints.openai.jobs import JobStore
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  GenerateRequest)
+from pagedllm.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+# Paths anyone may reach when --api-key is set (health checks, the page, its JSON, metrics).
+OPEN_PATHS = ("/health", "/metrics", "/kv_cache", "/", "/favicon.ico")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_waiting_requests: int = 256
+
+
+class BodySizeLimit:
+    """413 for bodies over the limit, refused before the body is read or parsed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)
+        # No length (chunked): read at most the limit first, then replay it to the app.
+        body, message = b"", {"more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._refuse(send)
+        replayed: Message = {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, _replay([replayed], receive), send)
+
+    def _message(self) -> str:
+        return f"request body is larger than the limit of {self.max_bytes} bytes"
+
+    async def _refuse(self, send: Send) -> None:
+        body = json.dumps(error_body(413, self._message())).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyAuth:
+    """401 unless `Authorization: Bearer <key>` matches (constant-time), as vLLM does."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            err = error_response(APIError(
+                401, "invalid or missing API key (send Authorization: Bearer <key>)"))
+            return await err(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    async def replay() -> Message:
+        return messages.pop(0) if messages else await receive()
+    return replay
+
+
+def _page() -> str:
+    return resources.files("pagedllm.entrypoints.webui").joinpath("index.html").read_text()
+
+
+def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIApp:
+    metrics = ServerMetrics()
+    engine.step_observers.append(metrics.observe_step)
+    engine.abort_observers.append(metrics.forget)
+    serving = OpenAIServing(engine, model_name)
+    jobs = JobStore(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not engine.is_alive:
+            engine.start()
+        yield
+        await jobs.shutdown()
+        engine.shutdown()
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, err: APIError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(list(err.errors())))
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
+        return error_response(APIError(503, str(err), headers={"Retry-After": "5"}))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "owned_by": "pagedllm",
+                                            "max_model_len": engine.engine.config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
+        return await serving.chat(req, raw)
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest) -> dict:
+        try:
+            sp = req.sampling_params()
+            token_ids = engine.prepare(req.prompt, sp)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        serving._check_capacity(1)
+        return jobs.submit(token_ids, sp).as_dict()
+
+    @app.get("/result/{job_id}")
+    async def result(job_id: str) -> dict:
+        job = jobs.jobs.get(job_id)
+        if job is None:
+            raise APIError(404, f"no job with id {job_id!r}", "job_id")
+        return job.as_dict()
+
+    @app.delete("/result/{job_id}")
+    async def cancel(job_id: str) -> dict:
+        job = jobs.abort(job_id)
+        if job is None:
+            raise APIError(404, f"no job with id {job_id!r}", "job_id")
+        return job.as_dict()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        stats = await engine.call(engine.engine.stats)
+        return Response(metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/kv_cache")
+    async def kv_cache() -> dict:
+        snapshot = await engine.call(engine.engine.kv_cache_snapshot)
+        return dataclasses.asdict(snapshot)
+
+    @app.get("/favicon.ico")
+    async def favicon() -> Response:
+        return Response(status_code=204)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> str:
+        return _page()
+
+    guarded: ASGIApp = BodySizeLimit(app, config.max_body_bytes)
+    if config.api_key is not None:
+        guarded = ApiKeyAuth(guarded, config.api_key)
+    return guarded  # type: ignore[return-value]
+
+
+def run_server(engine: AsyncLLM, config: ServerConfig, model_name: str) -> None:
+    import uvicorn
+    app = create_app(engine, config, model_name)
+    logger.info("serving %s on http://%s:%d (page at /, OpenAI API at /v1)", model_name,
+                config.host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
+                timeout_graceful_shutdown=5)

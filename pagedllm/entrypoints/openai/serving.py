@@ -1,0 +1,287 @@
+"""/v1/completions and /v1/chat/completions: requests in, JSON or server-sent events out."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError
+from pagedllm.entrypoints.openai.errors import APIError, error_body
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.streaming import DeltaTracker, merge, sse
+from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer
+
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class _Prepared:
+    """A validated request, ready to run: one prompt (token ids) per choice."""
+
+    request_id: str
+    created: int
+    sampling_params: SamplingParams
+    prompts: list[list[int]]
+    include_usage: bool
+    finals: list[RequestOutput] = field(default_factory=list)  # filled as requests finish
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.model_name = model_name
+
+    # ---- shared validation --------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "model")
+
+    def _sampling_params(self, build: Callable[[], SamplingParams], n: int) -> SamplingParams:
+        if n != 1:
+            raise APIError(400, f"n={n}: parallel sampling (n > 1) is not supported yet", "n")
+        try:
+            return build()
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split()[0]) from None
+
+    def _prepare(self, prefix: str, prompts: list[str | list[int]], sp: SamplingParams,
+                 include_usage: bool) -> _Prepared:
+        try:
+            token_ids = [self.engine.prepare(p, sp) for p in prompts]
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+        self._check_capacity(len(prompts))
+        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), sp, token_ids,
+                         include_usage)
+
+    def _check_capacity(self, num_requests: int) -> None:
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+        if self.engine.num_waiting + num_requests > self.engine.max_waiting_requests:
+            raise APIError(503, f"the server is busy: {self.engine.num_waiting} requests are "
+                                f"waiting (limit {self.engine.max_waiting_requests}); retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    def _streams(self, prep: _Prepared) -> list[AsyncIterator[RequestOutput]]:
+        now = time.time()
+        return [self.engine.generate(None, prep.sampling_params, f"{prep.request_id}-{i}", now,
+                                     prompt_token_ids=ids)
+                for i, ids in enumerate(prep.prompts)]
+
+    # ---- completions --------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        sp = self._sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs), req.n)
+        prompts = req.prompts()
+        if not prompts:
+            raise APIError(400, "prompt is empty", "prompt")
+        prep = self._prepare("cmpl", prompts, sp, bool(req.stream_options and req.stream_options.include_usage))
+        if req.stream:
+            return _event_stream(self._completion_events(prep))
+        finals = await _collect(self._streams(prep), raw)
+        choices = [{"index": index, "text": c.text, "finish_reason": c.finish_reason,
+                    "logprobs": self._completion_logprobs(c.logprobs)
+                    if sp.logprobs is not None else None}
+                   for index, c in _choices(finals, sp.n)]
+        return {"id": prep.request_id, "object": "text_completion", "created": prep.created,
+                "model": self.model_name, "choices": choices, "usage": _usage(finals)}
+
+    async def _completion_events(self, prep: _Prepared) -> AsyncIterator[str]:
+        sp = prep.sampling_params
+        async for index, c, text, logprobs in self._deltas(prep):
+            yield sse(self._chunk(prep, "text_completion", {
+                "index": index, "text": text, "finish_reason": c.finish_reason,
+                "logprobs": self._completion_logprobs(logprobs) if sp.logprobs is not None else None}))
+        if prep.include_usage:
+            yield sse(self._usage_chunk(prep, "text_completion", prep.finals))
+
+    async def _deltas(self, prep: _Prepared
+                      ) -> AsyncIterator[tuple[int, CompletionOutput, str, list[TokenLogprobs]]]:
+        """(choice index, completion, new text, new logprobs) whenever a choice has news;
+        the finished outputs are left in prep.finals for the usage."""
+        n = prep.sampling_params.n
+        trackers: dict[int, DeltaTracker] = {}
+        finals: dict[int, RequestOutput] = {}
+        async with aclosing(merge(self._streams(prep))) as outputs:
+            async for i, out in outputs:
+                _raise_on_error(out)
+                if out.finished:
+                    finals[i] = out
+                for c in out.outputs:
+                    index = i * n + c.index
+                    tracker = trackers.setdefault(index, DeltaTracker(prep.sampling_params))
+                    if tracker.done:
+                        continue
+                    text, logprobs = tracker.delta(c)
+                    if text or c.finish_reason is not None:
+                        yield index, c, text, logprobs
+        prep.finals = [finals[i] for i in sorted(finals)]
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs] | None) -> dict | None:
+        if logprobs is None:
+            return None
+        tokens = [self._token_str(lp.token_id) for lp in logprobs]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        sp = self._sampling_params(lambda: req.sampling_params(max_tokens, num_logprobs), req.n)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - the template's own message says what is wrong
+            raise APIError(400, f"the chat template failed: {e}", "messages") from None
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # BOS is in the template
+        prep = self._prepare("chatcmpl", [prompt], sp,
+                             bool(req.stream_options and req.stream_options.include_usage))
+        if req.stream:
+            return _event_stream(self._chat_events(prep))
+        finals = await _collect(self._streams(prep), raw)
+        choices = [{"index": index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c.logprobs) if num_logprobs is not None else None,
+                    "finish_reason": c.finish_reason}
+                   for index, c in _choices(finals, sp.n)]
+        return {"id": prep.request_id, "object": "chat.completion", "created": prep.created,
+                "model": self.model_name, "choices": choices, "usage": _usage(finals)}
+
+    async def _chat_events(self, prep: _Prepared) -> AsyncIterator[str]:
+        sp = prep.sampling_params
+        for index in range(len(prep.prompts) * sp.n):
+            yield sse(self._chunk(prep, "chat.completion.chunk", {
+                "index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}))
+        async for index, c, text, logprobs in self._deltas(prep):
+            yield sse(self._chunk(prep, "chat.completion.chunk", {
+                "index": index, "delta": {"content": text} if text else {},
+                "logprobs": self._chat_logprobs(logprobs) if sp.logprobs is not None else None,
+                "finish_reason": c.finish_reason}))
+        if prep.include_usage:
+            yield sse(self._usage_chunk(prep, "chat.completion.chunk", prep.finals))
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs] | None) -> dict | None:
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            token = self._token_str(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs]}
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chunk(self, prep: _Prepared, obj: str, choice: dict) -> dict:
+        chunk = {"id": prep.request_id, "object": obj, "created": prep.created,
+                 "model": self.model_name, "choices": [choice]}
+        if prep.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _usage_chunk(self, prep: _Prepared, obj: str, finals: list[RequestOutput]) -> dict:
+        return {"id": prep.request_id, "object": obj, "created": prep.created,
+                "model": self.model_name, "choices": [], "usage": _usage(finals)}
+
+
+def _choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
+    """Every completion of every prompt with its choice index (prompt i, sample j -> i*n+j)."""
+    return [(i * n + c.index, c) for i, out in enumerate(finals) for c in out.outputs]
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _raise_on_error(out: RequestOutput) -> None:
+    if out.error is not None:
+        raise APIError(500, f"the engine failed on this request: {out.error}")
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), headers={"Retry-After": "5"})
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    return APIError(500, f"{type(e).__name__}: {e}")
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]], raw: Request
+                   ) -> list[RequestOutput]:
+    """The final output of every request; aborts them all if the client goes away."""
+    async def run() -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            _raise_on_error(out)
+            if out.finished:
+                finals[i] = out
+        return [finals[i] for i in range(len(streams))]
+
+    task = asyncio.create_task(run())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                break
+            if await raw.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "the client closed the request")
+        return task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    except Exception as e:  # noqa: BLE001 - mapped to its HTTP status
+        task.cancel()
+        raise _engine_error(e) from None
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:  # noqa: BLE001 - the headers are sent: report in the stream
+            err = _engine_error(e)
+            yield sse(error_body(err.status, err.message, err.param))
+        finally:
+            await events.aclose()  # aborts whatever still runs (e.g. the client went away)
+        yield sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,1 @@
+"""The web page served at `/` (plain HTML and JS, no build step)."""
