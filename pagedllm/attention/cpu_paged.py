@@ -13,6 +13,7 @@ gathers its context once and takes torch's SDPA (the gather is amortised over th
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -40,7 +41,10 @@ def load_extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
         logger.info("loading the C++ paged-attention kernel (compiled once, then cached)")
-        _ext = load(name="pagedllm_cpu_paged_attention", sources=[str(_SOURCE)],
+        # The name carries the source's hash: checkouts with different kernels (worktrees,
+        # versions) each get their own build directory instead of rebuilding one in turn.
+        digest = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]
+        _ext = load(name=f"pagedllm_cpu_paged_attention_{digest}", sources=[str(_SOURCE)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
                                   "-fno-trapping-math"],
                     verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD") == "1")

@@ -28,16 +28,18 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-template <typename T>
+template <typename T, int64_t D>
 inline float dot(const T* __restrict k, const float* __restrict q, int64_t d) {
+  if constexpr (D > 0) d = D;
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < d; ++i) s += to_float(k[i]) * q[i];
   return s;
 }
 
-template <typename T>
+template <typename T, int64_t D>
 inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t d) {
+  if constexpr (D > 0) d = D;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += a * to_float(v[i]);
 }
@@ -52,12 +54,25 @@ struct Shapes {
   int64_t c_stride_b, c_stride_s, c_stride_h;  // caches: [num_blocks, block_size, Hkv, D]
 };
 
-template <typename T>
+// Visits the first num_keys cached tokens of a row block by block (no division per key):
+// fn(j, pointer to token j's vector for this kv head).
+template <typename T, typename Fn>
+inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys, int64_t kv_head,
+                         const Shapes& s, Fn&& fn) {
+  for (int64_t b = 0, j = 0; j < num_keys; ++b) {
+    const T* base = cache + table[b] * s.c_stride_b + kv_head * s.c_stride_h;
+    const int64_t n = std::min(s.block_size, num_keys - j);
+    for (int64_t o = 0; o < n; ++o, ++j) fn(j, base + o * s.c_stride_s);
+  }
+}
+
+// D > 0: the head dim known at compile time (fully unrolled, vectorised loops); D == 0: any.
+template <typename T, int64_t D>
 void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q, T* out,
                  const T* k_cache, const T* v_cache, const int64_t* tables,
                  const int64_t* q_starts, const int64_t* q_lens, const int64_t* k_lens,
                  float scale, std::vector<float>& buf) {
-  const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim;
+  const int64_t group = s.num_heads / s.num_kv_heads, d = D > 0 ? D : s.head_dim;
   const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
   const int64_t q_len = q_lens[w.row], k_len = k_lens[w.row];
   const int64_t past = k_len - q_len;          // tokens before the row's first new token
@@ -66,6 +81,7 @@ void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q
   buf.resize(rows * (num_keys + d + 1));
   float* scores = buf.data();                  // [rows, num_keys]
   float* qf = scores + rows * num_keys;        // [rows, d], scaled queries; reused as acc
+  float* inv_sum = qf + rows * d;              // [rows]
   // Query r = (token t, head g) sees keys [0, past + q_begin + t].
   for (int64_t t = 0; t < num_q; ++t) {
     const int64_t token = q_starts[w.row] + w.q_begin + t;
@@ -75,18 +91,13 @@ void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q
       for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * scale;
     }
   }
-  auto key_at = [&](const T* cache, int64_t j) {
-    return cache + table[j / s.block_size] * s.c_stride_b + (j % s.block_size) * s.c_stride_s +
-           kv_head * s.c_stride_h;
-  };
-  for (int64_t j = 0; j < num_keys; ++j) {
-    const T* kj = key_at(k_cache, j);
-    const int64_t first_t = std::max<int64_t>(0, j - past - w.q_begin);  // earliest query seeing j
-    for (int64_t r = first_t * group; r < rows; ++r) scores[r * num_keys + j] = dot(kj, qf + r * d, d);
-  }
-  std::vector<float> inv_sum(rows);
+  const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
+  for_each_key(k_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
+    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
+    for (int64_t r = first_r; r < rows; ++r) scores[r * num_keys + j] = dot<T, D>(kj, qf + r * d, d);
+  });
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = past + w.q_begin + r / group + 1;
+    const int64_t n = first_unmasked + r / group + 1;
     float* sc = scores + r * num_keys;
     float m = -FLT_MAX;
     for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
@@ -99,11 +110,10 @@ void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q
   }
   float* acc = qf;
   std::fill(acc, acc + rows * d, 0.f);
-  for (int64_t j = 0; j < num_keys; ++j) {
-    const T* vj = key_at(v_cache, j);
-    const int64_t first_t = std::max<int64_t>(0, j - past - w.q_begin);
-    for (int64_t r = first_t * group; r < rows; ++r) axpy(scores[r * num_keys + j], vj, acc + r * d, d);
-  }
+  for_each_key(v_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
+    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
+    for (int64_t r = first_r; r < rows; ++r) axpy<T, D>(scores[r * num_keys + j], vj, acc + r * d, d);
+  });
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = q_starts[w.row] + w.q_begin + r / group;
     T* dst = out + token * s.q_stride_t + (kv_head * group + r % group) * s.q_stride_h;
@@ -130,11 +140,13 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t* tp = block_tables.data_ptr<int64_t>();
   const int64_t* qs = q_starts.data_ptr<int64_t>();
   const int64_t* kl = k_lens.data_ptr<int64_t>();
+  auto item_fn = s.head_dim == 64 ? attend_item<T, 64> : s.head_dim == 128 ? attend_item<T, 128>
+                                                                          : attend_item<T, 0>;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i)
-      attend_item<T>(items[i / s.num_kv_heads], i % s.num_kv_heads, s, qp, op, kp, vp, tp, qs, ql,
-                     kl, scale, buf);
+      item_fn(items[i / s.num_kv_heads], i % s.num_kv_heads, s, qp, op, kp, vp, tp, qs, ql, kl,
+              scale, buf);
   });
 }
 
