@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # Rows with at most this many new tokens over a cached prefix run in the kernel.
 MAX_KERNEL_QUERY_LEN = 32
+# A build lock older than this belongs to a builder that died (a build takes ~1 min).
+STALE_LOCK_SECONDS = 900
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _ext: ModuleType | None = None
 _load_error: str | None = None
@@ -39,12 +42,16 @@ def load_extension() -> ModuleType | None:
     if _ext is not None or _load_error is not None:
         return _ext
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
         logger.info("loading the C++ paged-attention kernel (compiled once, then cached)")
         # The name carries the source's hash: checkouts with different kernels (worktrees,
         # versions) each get their own build directory instead of rebuilding one in turn.
         digest = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]
-        _ext = load(name=f"pagedllm_cpu_paged_attention_{digest}", sources=[str(_SOURCE)],
+        name = f"pagedllm_cpu_paged_attention_{digest}"
+        build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _wait_for_other_builder(build_dir / "lock")
+        _ext = load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
                     extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
                                   "-fno-trapping-math"],
                     verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD") == "1")
@@ -52,6 +59,21 @@ def load_extension() -> ModuleType | None:
         _load_error = f"{type(e).__name__}: {e}"
         logger.warning("C++ paged attention unavailable, using torch_native: %s", _load_error)
     return _ext
+
+
+def _wait_for_other_builder(lock: Path) -> None:
+    """Wait while another process builds the kernel, but break a lock left by a builder
+    that died (torch's own wait on it never ends, so every engine start would hang)."""
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(1.0)
 
 
 def is_available() -> bool:

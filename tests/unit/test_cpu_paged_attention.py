@@ -5,6 +5,8 @@ Random, non-contiguous block tables; GQA; ragged lengths; cached prefixes; decod
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -106,3 +108,12 @@ def test_backend_decode_and_prefill_match_torch_native(block_size):
     v = torch.stack([v[-1] for v in d.v])
     ours = cpu_paged.attention(q, k, v, d.k_cache, d.v_cache, ctx, scale)
     torch.testing.assert_close(ours.double(), d.reference(scale), atol=1e-5, rtol=1e-5)
+
+
+def test_a_stale_build_lock_is_broken_not_waited_on(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = lock.stat().st_mtime - cpu_paged.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    cpu_paged._wait_for_other_builder(lock)  # returns instead of hanging
+    assert not lock.exists()
