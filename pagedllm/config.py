@@ -24,7 +24,8 @@ class EngineConfig:
 
     model: str | None = _opt("GGUF file or HF directory (default: the bundled SmolLM2-135M-Instruct)",
                              default=None, cli=False)
-    dtype: str = _opt("weights and activations dtype: auto, float32, bfloat16",
+    dtype: str = _opt("weights and activations dtype: auto (bfloat16 where the CPU has native "
+                      "bf16 matmuls, else float32), float32, bfloat16",
                       default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = _opt("longest prompt + output in tokens (default: the model's)",
                                      default=None)
@@ -126,5 +127,13 @@ def env_flag(name: str) -> bool:
 
 
 def default_dtype() -> torch.dtype:
-    """float32 everywhere for now; bfloat16 becomes the default once measured faster."""
-    return torch.float32
+    """bfloat16 on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else float32.
+
+    With native support bf16 measured faster here on every shape that matters (half the
+    weight bytes per decode step, oneDNN's bf16 GEMMs for prefill); without it torch emulates
+    bf16 and float32 is faster. float32 stays available (and is what the HF parity tests pin).
+    """
+    cpu = torch.cpu
+    native_bf16 = any(getattr(cpu, probe, lambda: False)()
+                      for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return torch.bfloat16 if native_bf16 else torch.float32

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from pagedllm.attention import cpu_paged, torch_native
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.config import EngineConfig
 from pagedllm.engine.fault_injection import FaultInjector
@@ -31,6 +32,11 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def attention_backend():
+    """The C++ paged-attention kernel when it builds, else the pure-PyTorch reference."""
+    return cpu_paged.attention if cpu_paged.is_available() else torch_native.attention
 
 
 class ModelRunner:
@@ -86,11 +92,13 @@ class ModelRunner:
         # uninitialised memory survives a zero softmax weight (0 * NaN = NaN).
         self.kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size,
                                     mc.num_key_value_heads, mc.head_dim, dtype=self.dtype)
+        impl = attention_backend()
         layer = 0
         for module in self.model.modules():
             if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
                 module.k_cache = self.kv_cache[0, layer]
                 module.v_cache = self.kv_cache[1, layer]
+                module.impl = impl
                 layer += 1
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (budget: %s)",
                     num_blocks, self.block_size, num_blocks * self.block_size,

@@ -1,7 +1,8 @@
 """The Attention layer: stores the new K/V into the paged cache and attends through it.
 
-The kernels come from a backend (attention/); k_cache and v_cache are views into the
-engine's single KV tensor, bound by the ModelRunner after it allocates the cache.
+The kernels come from a backend (attention/); the ModelRunner binds `impl` to the
+backend's attention function, and k_cache and v_cache to views into the engine's single
+KV tensor after it allocates the cache.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        self.impl = torch_native.attention  # the backend, bound by the ModelRunner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
-        o = torch_native.attention(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
+        o = self.impl(q, k, v, self.k_cache, self.v_cache, get_context(), self.scale)
         return o.flatten(-2)

@@ -1,6 +1,8 @@
 """Rotary position embedding, half-rotation layout (rotate_half), with a cos/sin cache."""
 from __future__ import annotations
 
+import functools
+import json
 import math
 from typing import Any
 
@@ -50,10 +52,39 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of the positions; every layer of a step passes the same
+        positions tensor, so they are looked up once per step, not once per layer."""
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != dtype:
+            cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+            sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+            memo = self._memo = (positions, dtype, cos, sin)
+        return memo[2], memo[3]
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by its positions [T] (q and k heads may come together)."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return x * cos + rotate_half(x) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] rotated by their positions [T]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_rope(head_dim: int, max_position: int, base: float, scaling_key: str
+                 ) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, max_position, base, json.loads(scaling_key))
+
+
+def get_rope(head_dim: int, max_position: int, base: float,
+             rope_scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
+    """One RotaryEmbedding per configuration, shared by all layers (as vLLM's get_rope), so
+    its per-step cos/sin lookup is shared too."""
+    return _shared_rope(head_dim, max_position, float(base),
+                        json.dumps(rope_scaling, sort_keys=True))

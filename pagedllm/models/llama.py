@@ -12,7 +12,7 @@ from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
-from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.rotary import get_rope
 from pagedllm.models.config import ModelConfig
 
 
@@ -34,14 +34,21 @@ class DecoderAttention(nn.Module):
         self.head_dim = hd
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
                                         bias=config.attention_bias)
-        self.rotary_emb = RotaryEmbedding(hd, config.max_position_embeddings, config.rope_theta,
-                                          config.rope_scaling)
+        self.rotary_emb = get_rope(hd, config.max_position_embeddings, config.rope_theta,
+                                   config.rope_scaling)
         self.attn = Attention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:  # q and k heads are adjacent in qkv: rotate them in one go
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], -1)
+            qk = self.rotary_emb.rotate(positions, qk.view(-1, self.num_heads + self.num_kv_heads,
+                                                           self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
+            return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
