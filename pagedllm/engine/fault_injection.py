@@ -10,6 +10,8 @@ that way. It is off unless a test installs a :class:`FaultInjector` on the engin
     PAGEDLLM_FAULT_INJECTION="model@2,detokenizer@5"  # several rules, comma separated
     PAGEDLLM_FAULT_INJECTION="model@prompt~XYZZY"     # every batch holding a request whose
                                                        # prompt text contains XYZZY
+    PAGEDLLM_FAULT_INJECTION="model@delay~0.05"       # no error: every forward pass takes
+                                                       # 50 ms longer (a slow model, for load tests)
 
 Sites: ``model`` (raised inside the forward pass, half-way through the layers, after some
 KV has been written), ``sampler`` (after the forward pass, before sampling), ``detokenizer``
@@ -21,6 +23,7 @@ Off, the production cost is one ``is None`` test per stage per step.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -32,25 +35,36 @@ ENV_VAR = "PAGEDLLM_FAULT_INJECTION"
 SITES = ("model", "sampler", "detokenizer", "core")
 
 
+def _seconds(item: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{ENV_VAR} item {item!r}: {text!r} is not a number of seconds") from None
+
+
 class InjectedFault(RuntimeError):
     """The exception a fault-injection rule raises."""
 
 
 @dataclass
 class FaultRule:
-    """Fire at the ``call``-th call of ``site`` (once), or on every batch whose prompts contain
-    ``marker``."""
+    """Raise at the ``call``-th call of ``site`` (once), or on every batch whose prompts
+    contain ``marker``; or, with ``delay``, raise nothing but sleep that long at every call."""
 
     site: str
     call: int | None = None
     marker: str | None = None
+    delay: float | None = None
     fired: int = 0
 
     def __post_init__(self) -> None:
         if self.site not in SITES:
             raise ValueError(f"fault-injection site {self.site!r} is unknown (sites: {', '.join(SITES)})")
-        if (self.call is None) == (self.marker is None):
-            raise ValueError("a fault-injection rule needs exactly one of a call number or a marker")
+        if sum(x is not None for x in (self.call, self.marker, self.delay)) != 1:
+            raise ValueError("a fault-injection rule needs exactly one of a call number, a marker "
+                             "or a delay")
+        if self.delay is not None and not 0 <= self.delay <= 60:
+            raise ValueError(f"fault-injection delay must be in [0, 60] seconds, got {self.delay}")
         if self.call is not None and self.call < 1:
             raise ValueError(f"fault-injection call number must be >= 1, got {self.call}")
 
@@ -68,19 +82,23 @@ class FaultInjector:
 
     @classmethod
     def parse(cls, spec: str) -> "FaultInjector":
-        """Rules from ``site@N`` / ``site@prompt~MARKER`` items separated by commas."""
+        """Rules from ``site@N`` / ``site@prompt~MARKER`` / ``site@delay~SECONDS`` items
+        separated by commas."""
         rules = []
         for item in filter(None, (part.strip() for part in spec.split(","))):
             site, sep, when = item.partition("@")
             if not sep:
-                raise ValueError(f"{ENV_VAR} item {item!r} is not 'site@N' or 'site@prompt~MARKER'")
+                raise ValueError(f"{ENV_VAR} item {item!r} is not site@N, site@prompt~MARKER "
+                                 f"or site@delay~SECONDS")
             if when.startswith("prompt~"):
                 rules.append(FaultRule(site, marker=when.removeprefix("prompt~")))
+            elif when.startswith("delay~"):
+                rules.append(FaultRule(site, delay=_seconds(item, when.removeprefix("delay~"))))
             elif when.isdigit():
                 rules.append(FaultRule(site, call=int(when)))
             else:
-                raise ValueError(f"{ENV_VAR} item {item!r}: {when!r} is neither a call number "
-                                 f"nor prompt~MARKER")
+                raise ValueError(f"{ENV_VAR} item {item!r}: {when!r} is not a call number, "
+                                 f"prompt~MARKER or delay~SECONDS")
         return cls(rules)
 
     @classmethod
@@ -95,10 +113,13 @@ class FaultInjector:
         for rule in self.rules:
             if rule.site != site:
                 continue
-            if rule.call is not None and rule.call == n:
+            if rule.delay is not None:
+                rule.fired += 1
+                time.sleep(rule.delay)
+            elif rule.call is not None and rule.call == n:
                 rule.fired += 1
                 raise InjectedFault(f"injected fault in {site} (call {n})")
-            if rule.marker is not None and self._any_prompt_contains(seqs, rule.marker):
+            elif rule.marker is not None and self._any_prompt_contains(seqs, rule.marker):
                 rule.fired += 1
                 raise InjectedFault(f"injected fault in {site} (prompt marker {rule.marker!r})")
 
