@@ -53,17 +53,17 @@ def test_soak_64_clients_no_5xx_no_leaked_block(soak_server):
     cfg = SoakConfig(url=soak_server.url, duration=15, clients=64, max_tokens=16,
                      disconnect_share=0.15, server_pid=soak_server.proc.pid, progress=False)
     report = asyncio.run(run_soak(cfg))
-    print("\n" + report.table())
-    assert report.server_errors == 0, report.first_errors
-    assert report.kv_blocks_used_after == 0
-    assert report.completed >= cfg.clients        # every client finished requests
-    assert report.disconnected > 0                 # hang-ups happened, and leaked nothing
-    assert set(report.by_status) <= {"200", "400", "hung up"}, report.by_status
-    assert report.ttft_p50 is not None and report.itl_p50 is not None
+    table = "\n" + report.table() + f"\nfirst errors: {report.first_errors}"
+    print(table)
+    assert report.server_errors == 0, table
+    assert report.kv_blocks_used_after == 0, table
+    assert report.completed >= cfg.clients, table      # every client finished requests
+    assert report.disconnected > 0, table               # hang-ups happened, and leaked nothing
+    assert set(report.by_status) <= {"200", "400", "hung up"}, table
+    assert report.ttft_p50 is not None and report.itl_p50 is not None, table
     # Memory: the KV pool is allocated (and zeroed) at start; a leak of per-request
     # state over hundreds of requests would show as growth well beyond allocator noise.
-    assert report.rss_end_mib - report.rss_start_mib < 100, (report.rss_start_mib,
-                                                              report.rss_end_mib)
+    assert report.rss_end_mib - report.rss_start_mib < 100, table
     still_answers(soak_server.url)
     assert blocks_used(soak_server.url) == 0
 
