@@ -17,9 +17,10 @@ from test_soak import serve_tiny, stop_cleanly
 
 KEY = "s3cret-key"
 BODY_LIMIT = 4096
-# Every route the server has that runs the model or reveals requests.
+# Every route the server has but /health and the page's static HTML.
 API_ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("POST", "/generate"), ("GET", "/result/some-id"), ("DELETE", "/result/some-id")]
+              ("POST", "/generate"), ("GET", "/result/some-id"), ("DELETE", "/result/some-id"),
+              ("GET", "/metrics"), ("GET", "/kv_cache")]
 VALID = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
          "/generate": {"prompt": "hi", "max_tokens": 2}}
@@ -56,8 +57,11 @@ def test_api_routes_accept_the_key(secured, method, path):
     assert r.status_code < 500, r.text
 
 
-def test_health_needs_no_key(secured):
+def test_health_and_the_static_page_need_no_key(secured):
     assert httpx.get(secured.url + "/health", timeout=30).status_code == 200
+    page = httpx.get(secured.url + "/", timeout=30)
+    # The page is static HTML; the data it shows comes from /kv_cache, which needs the key.
+    assert page.status_code == 200 and 'fetch("/kv_cache", {headers: headers()})' in page.text
 
 
 def test_key_is_compared_in_constant_time():

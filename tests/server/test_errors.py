@@ -127,7 +127,7 @@ def test_full_waiting_queue_is_503_with_retry_after(guarded):
 
     def wait_state(running: int, waiting: int) -> None:
         for _ in range(600):
-            s = httpx.get(guarded.url + "/kv_cache", timeout=30).json()["stats"]
+            s = httpx.get(guarded.url + "/kv_cache", headers=AUTH, timeout=30).json()["stats"]
             if s["num_running"] == running and s["num_waiting"] == waiting:
                 return
             threading.Event().wait(0.1)

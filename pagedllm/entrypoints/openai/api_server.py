@@ -26,8 +26,9 @@ from pagedllm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-# Paths anyone may reach when --api-key is set (health checks, the page, its JSON, metrics).
-OPEN_PATHS = ("/health", "/metrics", "/kv_cache", "/", "/favicon.ico")
+# Paths anyone may reach when --api-key is set: the health check, and the page's static HTML
+# (it holds no data; everything it shows comes from /kv_cache and /v1, which need the key).
+OPEN_PATHS = ("/health", "/", "/favicon.ico")
 
 
 @dataclass
