@@ -1,8 +1,6 @@
 """Rotary position embedding, half-rotation layout (rotate_half), with a cos/sin cache."""
 from __future__ import annotations
 
-import functools
-import json
 import math
 from typing import Any
 
@@ -74,17 +72,3 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] rotated by their positions [T]."""
         return self.rotate(positions, q), self.rotate(positions, k)
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_rope(head_dim: int, max_position: int, base: float, scaling_key: str
-                 ) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, max_position, base, json.loads(scaling_key))
-
-
-def get_rope(head_dim: int, max_position: int, base: float,
-             rope_scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
-    """One RotaryEmbedding per configuration, shared by all layers (as vLLM's get_rope), so
-    its per-step cos/sin lookup is shared too."""
-    return _shared_rope(head_dim, max_position, float(base),
-                        json.dumps(rope_scaling, sort_keys=True))

@@ -2,7 +2,7 @@
 
 A hostile or corrupt file can declare hyper-parameters that do not match its tensors
 (the layer loaders would then silently copy a slice of a larger tensor) or that are
-absurd (a context length of 2**40 makes every layer's rotary cache an out-of-memory
+absurd (a context length of 2**40 makes the rotary cache an out-of-memory
 attempt). So, before the model is built:
 
 * the declared hyper-parameters must be sane (ModelConfig validates them),
@@ -75,15 +75,15 @@ def check_weight_shapes(declared: Mapping[str, Sequence[int]], config: ModelConf
 
 
 def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes the built model holds in ``dtype``: its weights plus the cos/sin caches that
-    layers/rotary.py precomputes for every layer ([max_position, head_dim] each).
+    """Bytes the built model holds in ``dtype``: its weights plus the cos/sin caches
+    ([max_position, head_dim] each) of the one rotary embedding its layers share.
 
     Computed, not measured: building the model on the meta device would be exact but costs
     seconds the first time (torch loads its meta kernels). A test checks it against a real
     model's parameters and buffers.
     """
     numel = sum(math.prod(shape) for shape in expected_weight_shapes(config).values())
-    rotary = 2 * config.num_hidden_layers * config.max_position_embeddings * config.head_dim
+    rotary = 2 * config.max_position_embeddings * config.head_dim
     return (numel + rotary) * dtype.itemsize
 
 

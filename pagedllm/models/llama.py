@@ -12,7 +12,7 @@ from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
-from pagedllm.layers.rotary import get_rope
+from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 
 
@@ -24,7 +24,7 @@ def _copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hd = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
@@ -34,8 +34,7 @@ class DecoderAttention(nn.Module):
         self.head_dim = hd
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
                                         bias=config.attention_bias)
-        self.rotary_emb = get_rope(hd, config.max_position_embeddings, config.rope_theta,
-                                   config.rope_scaling)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
@@ -71,9 +70,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, qk_norm)
+        self.self_attn = DecoderAttention(config, qk_norm, rotary_emb)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -93,7 +92,11 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm)
+        # One rotary embedding for all layers (its cos/sin lookup is then done once per step),
+        # owned by this model: built on this model's device, never shared with another model.
+        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                     config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

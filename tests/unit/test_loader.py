@@ -370,3 +370,19 @@ def test_missing_required_metadata(tmp_path):
                      skip_keys=("embedding_length",))
     with pytest.raises(ModelLoadError, match="'llama.embedding_length' is missing"):
         load_gguf(str(tmp_path / "m.gguf"))
+
+
+def test_each_model_owns_its_rotary_embedding():
+    """A model built on the meta device (the roofline test does so) must not hand its
+    cos/sin caches to a later real model of the same shape: each model builds its own
+    rotary embedding, shared by its layers only."""
+    from pagedllm.models.registry import model_class
+    config = load_model_source(None).config
+    with torch.device("meta"):
+        ghost = model_class(config)(config)
+    model = model_class(config)(config)
+    ropes = {id(layer.self_attn.rotary_emb) for layer in model.model.layers}
+    assert len(ropes) == 1
+    rope = model.model.layers[0].self_attn.rotary_emb
+    assert rope is not ghost.model.layers[0].self_attn.rotary_emb
+    assert rope.cos_cache.device.type == "cpu" and rope.cos_cache.isfinite().all()
