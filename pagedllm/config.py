@@ -31,7 +31,11 @@ class EngineConfig:
                                      default=None)
     max_num_seqs: int = _opt("most sequences in one batch", default=256)
     max_num_batched_tokens: int | None = _opt(
-        "most tokens in one forward pass (default: max(8192, max_model_len))", default=None)
+        "token budget of one step (forward pass) (default: 2048 with chunked prefill, else "
+        "max(8192, max_model_len))", default=None)
+    enable_chunked_prefill: bool = _opt(
+        "split long prompts into chunks that share each step's token budget with running "
+        "decodes", default=True)
     block_size: int = _opt("tokens per KV-cache block", default=16)
     enable_prefix_caching: bool = _opt("share KV blocks of identical prompt prefixes", default=True)
     kv_cache_memory_bytes: int | None = _opt(
@@ -73,18 +77,21 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_fraction!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
-        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}): without chunked prefill a whole prompt runs in one step")
+                f"({self.max_model_len}) when enable_chunked_prefill is off: a whole prompt then "
+                f"runs in one step")
 
     def resolve(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the model."""
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(8192, self.max_model_len)
+            self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
+                                           else max(8192, self.max_model_len))
         self._validate()
 
     @property

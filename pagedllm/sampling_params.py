@@ -47,8 +47,6 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail(f"n must be an integer >= 1, got {self.n!r}")
-        if self.n != 1:
-            fail(f"n > 1 (parallel sampling) is not supported yet, got n={self.n}")
         if not _is_number(self.temperature) or self.temperature < 0:
             fail(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:

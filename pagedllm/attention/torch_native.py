@@ -50,12 +50,15 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
-    """Causal attention of each packed prompt over its cached prefix and its new tokens."""
+                      v_cache: torch.Tensor, ctx: Context, scale: float,
+                      first_row: int = 0) -> torch.Tensor:
+    """Causal attention of each packed prompt (or chunk) over its cached prefix and its new
+    tokens. q, k, v hold the tokens of rows first_row.. of the context."""
     assert ctx.seqlens_q is not None and ctx.seqlens_k is not None
     out = torch.empty_like(q)
     start = 0
-    for i, (len_q, len_k) in enumerate(zip(ctx.seqlens_q, ctx.seqlens_k)):
+    for i in range(first_row, len(ctx.seqlens_q)):
+        len_q, len_k = ctx.seqlens_q[i], ctx.seqlens_k[i]
         end = start + len_q
         if len_k == len_q:  # nothing cached: attend over the new tokens themselves
             out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, causal=True)
@@ -69,14 +72,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      ctx: Context, scale: float) -> torch.Tensor:
-    """One new token per sequence attends to its context_lens cached tokens via the block table."""
+    """One new token per sequence attends to its context_lens cached tokens via the block
+    table (the first len(q) rows of the context)."""
     assert ctx.block_tables is not None and ctx.context_lens is not None
     block_size = k_cache.shape[1]
-    tables = ctx.block_tables.clamp_min(0)                       # -1 padding -> any valid block
+    tables = ctx.block_tables[:len(q)].clamp_min(0)              # -1 padding -> any valid block
     keys = k_cache[tables].flatten(1, 2)                         # [B, max_len, Hkv, D]
     values = v_cache[tables].flatten(1, 2)
     max_len = tables.shape[1] * block_size
-    valid = torch.arange(max_len) < ctx.context_lens[:, None]    # [B, max_len]
+    valid = torch.arange(max_len) < ctx.context_lens[:len(q), None]  # [B, max_len]
     o = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2),
                                        values.transpose(1, 2), attn_mask=valid[:, None, None, :],
                                        scale=scale, enable_gqa=True)
@@ -87,6 +91,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
     if k_cache.numel():
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
-    if ctx.is_prefill:
+    if not ctx.is_prefill:
+        return decode_attention(q, k_cache, v_cache, ctx, scale)
+    d = ctx.num_decodes  # a mixed batch: decode rows first, one token each
+    if d == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale)
-    return decode_attention(q, k_cache, v_cache, ctx, scale)
+    return torch.cat([decode_attention(q[:d], k_cache, v_cache, ctx, scale),
+                      prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, ctx, scale,
+                                        first_row=d)])

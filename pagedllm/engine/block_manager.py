@@ -61,6 +61,7 @@ class BlockManager:
         # Prefix-cache statistics, counted in tokens of full blocks looked up.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_copy_on_writes = 0
 
     # ---- accounting -----------------------------------------------------------------------
 
@@ -139,39 +140,104 @@ class BlockManager:
     # ---- the API the scheduler uses ---------------------------------------------------------
 
     def num_reusable_tokens(self, seq: Sequence) -> int:
-        """How many leading tokens allocate() would take from the prefix cache."""
+        """How many leading tokens a sequence without blocks would take from the prefix cache."""
+        if seq.block_table:
+            return seq.num_computed_tokens
         return len(self._plan(seq)[1]) * self.block_size
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        _, cached = self._plan(seq)
-        # A cached block that is free still has to be taken out of the free list.
-        needed = seq.num_blocks - sum(1 for b in cached if b in self.used_block_ids)
-        return needed <= len(self.free_block_ids)
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks allocate_slots(seq, num_new_tokens) would take off the free list:
+        cached free blocks revived for its prefix, new blocks, and a copy-on-write copy."""
+        bs = self.block_size
+        if seq.block_table:
+            table, computed, revive = seq.block_table, seq.num_computed_tokens, 0
+        else:
+            _, table = self._plan(seq)
+            computed = len(table) * bs
+            revive = sum(1 for b in table if b not in self.used_block_ids)
+        new = max(0, -(-(computed + num_new_tokens) // bs) - len(table))
+        i = computed // bs
+        cow = int(bool(seq.block_table) and i < len(table) and self.blocks[table[i]].ref_count > 1)
+        return revive + new + cow
 
-    def allocate(self, seq: Sequence) -> None:
-        assert not seq.block_table, f"{seq} already holds blocks"
+    def can_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Give the sequence slots for its next num_new_tokens tokens (after its computed ones).
+
+        A sequence without blocks first takes its cached prefix. If the first slot lies in a
+        block shared with another sequence (a fork), that block is copied first; the
+        returned (src, dst) block pairs are the KV copies to make before the forward pass.
+        Blocks that this step fills completely are registered in the prefix cache: their KV
+        is written in the coming step, before any other sequence of that step reads it
+        (store precedes attention in every layer).
+        """
+        if not seq.block_table:
+            self._allocate_cached_prefix(seq)
+        bs, table = self.block_size, seq.block_table
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        assert 0 < end <= len(seq), f"{seq}: cannot compute {num_new_tokens} more tokens"
+        assert len(table) <= start // bs + 1, f"{seq} holds blocks beyond its computed tokens"
+        copies = []
+        i = start // bs
+        if i < len(table) and self.blocks[table[i]].ref_count > 1:
+            copies.append(self._copy_on_write(seq, i))
+        while len(table) * bs < end:
+            table.append(self._take_free_block().block_id)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, start // bs, end // bs)
+        return copies
+
+    def _allocate_cached_prefix(self, seq: Sequence) -> None:
         hashes, cached = self._plan(seq)
         for block_id in cached:
-            block = self.blocks[block_id]
             if block_id in self.used_block_ids:
-                block.ref_count += 1
+                self.blocks[block_id].ref_count += 1
             else:
                 self._take_free_block(block_id)
             seq.block_table.append(block_id)
-        seq.num_cached_tokens = len(cached) * self.block_size
-        for i in range(len(cached), seq.num_blocks):
-            block = self._take_free_block()
-            if i < len(hashes):
-                # The KV of this block is written in the coming prefill step, before any
-                # other sequence of that step reads it (store precedes attention per layer).
-                self._register(block, hashes[i], seq.block(i))
-            seq.block_table.append(block.block_id)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(cached) * self.block_size
         self.num_query_tokens += len(hashes) * self.block_size
         self.num_hit_tokens += seq.num_cached_tokens
+
+    def _copy_on_write(self, seq: Sequence, i: int) -> tuple[int, int]:
+        """Replace the shared logical block i of seq by a private copy; return (src, dst)."""
+        src = self.blocks[seq.block_table[i]]
+        dst = self._take_free_block()
+        src.ref_count -= 1
+        assert src.ref_count > 0
+        seq.block_table[i] = dst.block_id
+        self.num_copy_on_writes += 1
+        return src.block_id, dst.block_id
+
+    def _register_full_blocks(self, seq: Sequence, first: int, last: int) -> None:
+        """Make logical blocks [first, last) of seq findable by their chained hash."""
+        for i in range(first, last):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == -1:
+                self._register(block, self._block_hashes(seq, i + 1)[i], seq.block(i))
 
     def _register(self, block: Block, h: int, token_ids: list[int]) -> None:
         block.update(h, token_ids)
         self.hash_to_block_id[h] = block.block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let child share every block of parent (ref counts + 1); they are copied on write."""
+        assert not child.block_table
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether a sequence without blocks can get all its tokens at once."""
+        return self.can_allocate_slots(seq, len(seq) - self.num_reusable_tokens(seq))
+
+    def allocate(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Blocks for all tokens of a sequence without blocks (an unchunked prefill)."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        return self.allocate_slots(seq, len(seq) - self.num_reusable_tokens(seq))
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop the sequence's references, last block first: tail blocks are the least
@@ -181,7 +247,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._release_block(block_id)
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
         seq.block_table.clear()
 
     def forget_hashes(self, seq: Sequence) -> None:
@@ -193,23 +259,6 @@ class BlockManager:
                 if self.hash_to_block_id.get(block.hash) == block_id:
                     del self.hash_to_block_id[block.hash]
                 block.hash, block.token_ids = -1, []
-
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the slot for the sequence's newest token can be provided."""
-        return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
-
-    def may_append(self, seq: Sequence) -> None:
-        """Make room for the newest token (already appended to seq) before it is computed."""
-        block_table = seq.block_table
-        last_block = self.blocks[block_table[-1]]
-        if len(seq) % self.block_size == 1:
-            block_table.append(self._take_free_block().block_id)
-        elif len(seq) % self.block_size == 0 and self.enable_prefix_caching:
-            # The last block becomes full with this token: make it findable by its hash.
-            assert last_block.hash == -1
-            prefix = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
-            token_ids = seq.block(seq.num_blocks - 1)
-            self._register(last_block, compute_hash(token_ids, prefix), token_ids)
 
     # ---- invariants ---------------------------------------------------------------------------
 
@@ -238,6 +287,9 @@ class BlockManager:
                 raise AssertionError(f"hash index points at block {i} holding "
                                      f"{len(block.token_ids)} tokens with hash {block.hash}")
         for seq in seqs:
+            if not 0 <= seq.num_computed_tokens <= min(len(seq), len(seq.block_table) * self.block_size):
+                raise AssertionError(f"{seq}: {seq.num_computed_tokens} computed tokens but "
+                                     f"{len(seq.block_table)} blocks")
             prefix = -1
             for j, block_id in enumerate(seq.block_table):
                 block = self.blocks[block_id]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.errors import EngineDeadError
@@ -23,27 +23,44 @@ Prompt = str | list[int]
 
 
 @dataclass
-class _RequestState:
-    """Per-request output state kept beside the Sequence the scheduler moves around."""
+class _SampleState:
+    """Output state of one of a request's n samples, beside the Sequence the scheduler moves."""
 
     seq: Sequence
-    prompt: str | None
     detokenizer: IncrementalDetokenizer
-    metrics: RequestMetrics
     text: str = ""
     last_delta: str = ""
+    logprobs: list[TokenLogprobs] | None = None   # one per token when the request asks
+
+
+@dataclass
+class _RequestState:
+    """Per-request output state: its samples (n of them; n = 1 usually), prompt, metrics."""
+
+    samples: list[_SampleState]
+    prompt: str | None
+    metrics: RequestMetrics
     error: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def seq(self) -> Sequence:
+        """The first sample's sequence (the one that prefills the prompt)."""
+        return self.samples[0].seq
+
+    @property
+    def finished(self) -> bool:
+        return all(s.seq.is_finished for s in self.samples)
 
 
 @dataclass
 class StepStats:
     """What the last step did, for progress bars, logs and metrics."""
 
-    is_prefill: bool = False
+    is_prefill: bool = False     # whether any prompt tokens were computed
     num_seqs: int = 0
     num_tokens: int = 0
     seconds: float = 0.0
+    num_prefill_tokens: int = 0
 
 
 @dataclass
@@ -88,7 +105,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, eos_token_ids=self.eos_token_ids,
-            enable_prefix_caching=config.enable_prefix_caching)
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill)
         self.requests: dict[str, _RequestState] = {}
         self.last_step = StepStats()
         self.num_prompt_tokens = 0        # computed (not cached) prompt tokens, lifetime
@@ -128,6 +146,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if sp.n > cfg.max_num_seqs:
+            raise ValueError(f"n={sp.n} samples exceed max_num_seqs ({cfg.max_num_seqs})")
         if len(token_ids) >= cfg.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, but max_model_len is "
                              f"{cfg.max_model_len} (prompt + at least one output token)")
@@ -149,20 +169,25 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids, sampling_params)
         now = time.time() if arrival_time is None else arrival_time
-        seq = Sequence(token_ids, sampling_params, self.config.block_size, request_id, now)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids,
-                                       skip_special_tokens=sampling_params.skip_special_tokens)
-        self.requests[request_id] = _RequestState(
-            seq, text, detok, RequestMetrics(now),
+        seqs = [Sequence(token_ids, sp, self.config.block_size, request_id, now)
+                for sp in _per_sample_params(sampling_params)]
+        for i, seq in enumerate(seqs):
+            seq.sample_index = i
+        seqs[0].pending_forks = seqs[1:]  # forked once the prompt is computed
+        samples = [_SampleState(seq, IncrementalDetokenizer(
+            self.tokenizer, token_ids, skip_special_tokens=sampling_params.skip_special_tokens),
             logprobs=[] if sampling_params.logprobs is not None else None)
-        self.scheduler.add(seq)
+            for seq in seqs]
+        self.requests[request_id] = _RequestState(samples, text, RequestMetrics(now))
+        self.scheduler.add(seqs[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        self.scheduler.finish(state.seq, "abort")
+        for sample in state.samples:
+            self.scheduler.finish(sample.seq, "abort")
         return self._output(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -182,64 +207,72 @@ class LLMEngine:
         try:
             if self.faults is not None:
                 self.faults.check("core")
-            seqs, is_prefill = self.scheduler.schedule()
+            batch = self.scheduler.schedule()
         except Exception as e:
             raise self._die(f"scheduling failed: {type(e).__name__}: {e}") from e
-        if not seqs:
+        if not batch.seqs:
             return []
         self._check_invariants("after scheduling")
         t = time.perf_counter()
         now = time.time()
-        for seq in seqs:
+        for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-            if is_prefill:
                 metrics.num_cached_tokens = seq.num_cached_tokens
         try:
             if self.faults is not None:
-                self.faults.batch = seqs
-            sampled = self.model_runner.run(seqs, is_prefill, self.eos_token_ids)
+                self.faults.batch = batch.seqs
+            sampled = self.model_runner.run(batch, self.eos_token_ids)
         except Exception as e:  # one bad batch must not take the engine down
-            logger.exception("step failed for requests %s", [s.request_id for s in seqs])
-            outputs = self._fail(seqs, f"{type(e).__name__}: {e}")
+            logger.exception("step failed for requests %s", [s.request_id for s in batch.seqs])
+            outputs = self._fail(batch.seqs + batch.sampled_seqs, f"{type(e).__name__}: {e}")
             self._check_invariants("after failing a batch")
             return outputs
-        num_tokens = (sum(len(s) - s.num_cached_tokens for s in seqs) if is_prefill else len(seqs))
-        if is_prefill:
-            self.num_prompt_tokens += num_tokens
-        self.num_generation_tokens += len(seqs)
+        self.num_prompt_tokens += batch.num_prefill_tokens
+        self.num_generation_tokens += len(batch.samplers)
         if sampled.logprobs is not None:
-            for seq, logprobs in zip(seqs, sampled.logprobs):
-                state = self.requests[seq.request_id]
-                if logprobs is not None and state.logprobs is not None:
-                    state.logprobs.append(logprobs)
+            self._record_logprobs(batch.sampled_seqs, sampled.logprobs)
         try:
-            self.scheduler.postprocess(seqs, sampled.token_ids)
+            self.scheduler.postprocess(batch, sampled.token_ids)
         except Exception as e:
             raise self._die(f"postprocessing failed: {type(e).__name__}: {e}") from e
-        outputs = [self._process_new_token(seq) for seq in seqs]
+        advanced: dict[str, _RequestState] = {}
+        for seq in batch.sampled_seqs:
+            if seq.request_id in self.requests:  # (not if its detokenizer failed just now)
+                advanced[seq.request_id] = self._process_new_token(seq)
+        outputs = [self._output(state) for state in advanced.values()]
         self._check_invariants("after the step")
-        self.last_step = StepStats(is_prefill, len(seqs), num_tokens, time.perf_counter() - t)
+        self.last_step = StepStats(batch.num_prefill_tokens > 0, len(batch), batch.num_tokens,
+                                   time.perf_counter() - t, batch.num_prefill_tokens)
         return outputs
 
-    def _process_new_token(self, seq: Sequence) -> RequestOutput:
+    def _record_logprobs(self, seqs: list[Sequence],
+                         logprobs: list[TokenLogprobs | None]) -> None:
+        for seq, token_logprobs in zip(seqs, logprobs):
+            sample = self.requests[seq.request_id].samples[seq.sample_index]
+            if token_logprobs is not None and sample.logprobs is not None:
+                sample.logprobs.append(token_logprobs)
+
+    def _process_new_token(self, seq: Sequence) -> _RequestState:
         state = self.requests[seq.request_id]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.time()
+        sample = state.samples[seq.sample_index]
         try:
             if self.faults is not None:
                 self.faults.check("detokenizer", [seq])
-            state.last_delta = state.detokenizer.add(seq.last_token)
+            sample.last_delta = sample.detokenizer.add(seq.last_token)
         except Exception as e:  # this request alone ends; the rest of the batch goes on
             logger.exception("detokenizing failed for request %s", seq.request_id)
-            return self._fail([seq], f"detokenizer: {type(e).__name__}: {e}")[0]
-        state.text += state.last_delta
+            self._fail([seq], f"detokenizer: {type(e).__name__}: {e}")
+            return state
+        sample.text += sample.last_delta
         if not seq.is_finished:
-            self._check_stop_strings(state)
-        return self._output(state)
+            self._check_stop_strings(sample)
+        return state
 
-    def _check_stop_strings(self, state: _RequestState) -> None:
+    def _check_stop_strings(self, state: _SampleState) -> None:
         sp = state.seq.sampling_params
         if not sp.stop_strs or state.seq.num_completion_tokens < sp.min_tokens:
             return
@@ -253,19 +286,24 @@ class LLMEngine:
                 return
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
-        """End these requests with finish reason "error" and free their blocks."""
-        outputs = []
+        """End these sequences' requests with finish reason "error" and free their blocks."""
+        outputs: dict[str, RequestOutput] = {}
+        failed = set(id(seq) for seq in seqs)
         for seq in seqs:
-            if seq.is_finished:  # it hit a stop condition in this very step: blocks already freed
-                seq.finish_reason, seq.stop_reason = "error", None
-            else:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            for sample in state.samples:
+                if sample.seq.is_finished:
+                    if id(sample.seq) in failed:  # stopped in this very step: blocks freed
+                        sample.seq.finish_reason, sample.seq.stop_reason = "error", None
+                    continue
                 # Their newest KV may be unwritten: no later request may find it by hash.
-                self.scheduler.block_manager.forget_hashes(seq)
-                self.scheduler.finish(seq, "error")
-            state = self.requests[seq.request_id]
+                self.scheduler.block_manager.forget_hashes(sample.seq)
+                self.scheduler.finish(sample.seq, "error")
             state.error = error
-            outputs.append(self._output(state))
-        return outputs
+            outputs[seq.request_id] = self._output(state)
+        return list(outputs.values())
 
     # ---- stopping for good ---------------------------------------------------------------------
 
@@ -287,7 +325,7 @@ class LLMEngine:
         """Every live sequence has its request state and every request state a live sequence."""
         live = {seq.request_id for seq in (*self.scheduler.waiting, *self.scheduler.running)}
         for request_id, state in self.requests.items():
-            if state.seq.is_finished or request_id not in live:
+            if state.finished or request_id not in live:
                 raise AssertionError(f"request {request_id!r} is kept but not scheduled ({state.seq})")
         if missing := live - self.requests.keys():
             raise AssertionError(f"scheduled sequences without a request: {sorted(missing)}")
@@ -298,8 +336,9 @@ class LLMEngine:
         self.dead_error = message
         outputs = []
         for state in list(self.requests.values()):
-            state.seq.status = SequenceStatus.FINISHED
-            state.seq.finish_reason = "error"
+            for sample in state.samples:
+                sample.seq.status = SequenceStatus.FINISHED
+                sample.seq.finish_reason = "error"
             state.error = f"engine stopped: {message}"
             outputs.append(self._output(state))
         self.scheduler.waiting.clear()
@@ -308,15 +347,16 @@ class LLMEngine:
 
     def _output(self, state: _RequestState) -> RequestOutput:
         seq = state.seq
-        finished = seq.status == SequenceStatus.FINISHED
+        finished = state.finished
         if finished:
             state.metrics.finished_time = time.time()
-            state.metrics.num_preemptions = seq.num_preemptions
+            state.metrics.num_preemptions = sum(s.seq.num_preemptions for s in state.samples)
             self.requests.pop(seq.request_id, None)
-        completion = CompletionOutput(
-            0, state.text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason,
-            list(state.logprobs) if state.logprobs is not None else None)
-        return RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, [completion],
+        completions = [CompletionOutput(i, s.text, s.seq.completion_token_ids,
+                                        s.seq.finish_reason, s.seq.stop_reason,
+                                        list(s.logprobs) if s.logprobs is not None else None)
+                       for i, s in enumerate(state.samples)]
+        return RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, completions,
                              finished, state.metrics, state.error)
 
     # ---- introspection ------------------------------------------------------------------------
@@ -349,3 +389,11 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+def _per_sample_params(sp: SamplingParams) -> list[SamplingParams]:
+    """The n samples' params: sample i of a seeded request draws from seed + i, so it equals
+    the n = 1 request with that seed, whatever the batch."""
+    if sp.n == 1:
+        return [sp]
+    return [replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]

@@ -13,6 +13,7 @@ from pagedllm.attention import cpu_paged, torch_native
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.config import EngineConfig
 from pagedllm.engine.fault_injection import FaultInjector
+from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
@@ -114,43 +115,50 @@ class ModelRunner:
             tables[i, :len(seq.block_table)] = seq.block_table
         return torch.from_numpy(tables)
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_inputs(self, seqs: list[Sequence], num_new_tokens: list[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids and positions of one step; sets the attention Context.
+
+        Row i computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i])
+        of seqs[i] and attends to every token before them, so its key length is
+        num_computed_tokens + num_new_tokens[i] (cached prefix + earlier chunks + this
+        chunk; nano-vllm #212 used the chunk alone). Rows with one new token (decodes) must
+        come first.
+        """
+        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         seqlens_q: list[int] = []
         seqlens_k: list[int] = []
-        bs = self.block_size
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, len(seq)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            seqlens_q.append(end - start)
-            seqlens_k.append(end)
-            for pos in range(start, end, bs):  # start is block aligned
-                block_start = seq.block_table[pos // bs] * bs
-                slot_mapping.extend(range(block_start, block_start + min(bs, end - pos)))
-        block_tables = self._block_tables(seqs) if sum(seqlens_k) > sum(seqlens_q) else None
+        for seq, n in zip(seqs, num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            seqlens_q.append(n)
+            seqlens_k.append(start + n)
+        num_decodes = next((i for i, n in enumerate(seqlens_q) if n != 1), len(seqlens_q))
+        assert all(n != 1 for n in seqlens_q[num_decodes:]), "decode rows must come first"
+        block_tables = self._block_tables(seqs)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(seqlens_q))
+        slot_mapping = block_tables[rows, pos // bs] * bs + pos % bs
         set_context(
-            is_prefill=True,
+            is_prefill=num_decodes < len(seqs), num_decodes=num_decodes,
             cu_seqlens_q=torch.tensor(np.cumsum([0] + seqlens_q)),
             cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k)),
             max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            slot_mapping=slot_mapping,
+            context_lens=torch.tensor(seqlens_k[:num_decodes], dtype=torch.int64),
             block_tables=block_tables, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-        return torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+        return torch.tensor(input_ids, dtype=torch.int64), pos
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs computing every not yet computed token of each sequence (prompts)."""
+        return self.prepare_inputs(seqs, [seq.num_uncomputed_tokens for seq in seqs])
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
-        bs = self.block_size
-        slot_mapping = [seq.block_table[-1] * bs + seq.last_block_num_tokens - 1 for seq in seqs]
-        set_context(
-            is_prefill=False,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-            context_lens=torch.tensor([len(seq) for seq in seqs], dtype=torch.int64),
-            block_tables=self._block_tables(seqs))
-        return torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+        """Inputs computing the newest token of each sequence."""
+        return self.prepare_inputs(seqs, [1] * len(seqs))
 
     def prepare_sample(self, seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBatch:
         params = [seq.sampling_params for seq in seqs]
@@ -198,21 +206,31 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
 
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole KV blocks (every layer, K and V) src -> dst."""
+        if blocks_to_copy:
+            src, dst = (torch.tensor(ids) for ids in zip(*blocks_to_copy))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, eos_token_ids: list[int]) -> SamplerOutput:
-        input_ids, positions = (self.prepare_prefill(seqs) if is_prefill
-                                else self.prepare_decode(seqs))
+    def run(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> SamplerOutput:
+        """Compute the batch's tokens; sample one token id (and its logprobs, if asked) per
+        batch.samplers entry."""
+        self.copy_blocks(batch.blocks_to_copy)
+        input_ids, positions = self.prepare_inputs(batch.seqs, batch.num_new_tokens)
         try:
             hidden = self.model(input_ids, positions)
-            if is_prefill:  # logits only for each prompt's last token
-                hidden = hidden[get_context().cu_seqlens_q[1:] - 1]
-            logits = self.model.compute_logits(hidden)  # type: ignore[attr-defined]
+            if not batch.samplers:
+                return SamplerOutput([])
+            last = get_context().cu_seqlens_q[1:] - 1  # each row's last token
+            rows = torch.tensor([row for _, row in batch.samplers])
+            logits = self.model.compute_logits(hidden[last[rows]])  # type: ignore[attr-defined]
         finally:
             reset_context()
-        batch = self.prepare_sample(seqs, eos_token_ids)
+        sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids)
         if self.faults is not None:
-            self.faults.check("sampler", seqs)
-        token_ids = sample(logits, batch, self.generator)
-        logprobs = (compute_logprobs(logits, batch, token_ids)
-                    if batch.num_logprobs is not None else None)
+            self.faults.check("sampler", batch.sampled_seqs)
+        token_ids = sample(logits, sampling, self.generator)
+        logprobs = (compute_logprobs(logits, sampling, token_ids)
+                    if sampling.num_logprobs is not None else None)
         return SamplerOutput(token_ids.tolist(), logprobs)

@@ -20,7 +20,10 @@ class Sequence:
 
     block_table[i] is the physical block holding tokens [i * block_size, (i + 1) * block_size).
     num_cached_tokens is how many leading tokens were found in the prefix cache at
-    allocation and are not recomputed.
+    allocation and are not recomputed; num_computed_tokens is how many leading tokens have
+    their KV in the cache (cached + computed by earlier steps or chunks). The tokens
+    [num_computed_tokens, len) are what the next step computes: the rest of a prompt (in
+    chunks) or the one newest sampled token.
     """
 
     _ids = count()
@@ -33,6 +36,7 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
         self.block_size = block_size
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []   # chained hashes of full blocks, filled lazily
@@ -45,6 +49,10 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        # Parallel sampling (n > 1): the other samples of this request, forked from this
+        # sequence when its prompt is computed; they share its blocks until they diverge.
+        self.pending_forks: list[Sequence] = []
+        self.sample_index = 0   # which of the request's n samples (or beams) this is
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -74,6 +82,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether more than the newest token is still to be computed (a prompt or a recompute)."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+    @property
     def num_cached_blocks(self) -> int:
         return self.num_cached_tokens // self.block_size
 
@@ -93,6 +110,22 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def fork(self, sampling_params: SamplingParams | None = None,
+             request_id: str | None = None) -> "Sequence":
+        """A copy with the same tokens and progress, and no blocks yet (BlockManager.fork
+        shares them); its own generator comes from sampling_params' seed."""
+        child = Sequence(self.token_ids, sampling_params or self.sampling_params, self.block_size,
+                         request_id if request_id is not None else self.request_id,
+                         self.arrival_time)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        child.first_token_time = self.first_token_time
+        return child
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, {self.status.name}, "
-                f"tokens={len(self)}, cached={self.num_cached_tokens}, blocks={self.block_table})")
+                f"tokens={len(self)}, computed={self.num_computed_tokens}, "
+                f"cached={self.num_cached_tokens}, blocks={self.block_table})")

@@ -99,18 +99,73 @@ def test_lru_evicts_least_recently_freed_and_tail_first():
     assert bm.num_reusable_tokens(d) == 4
 
 
-def test_may_append_allocates_at_block_boundary_and_hashes_full_blocks():
+def compute(seq: Sequence, n: int) -> None:
+    """What a step does to a sequence after its n new tokens ran (Scheduler.postprocess)."""
+    seq.num_computed_tokens += n
+
+
+def test_decode_slots_allocate_at_block_boundary_and_hash_full_blocks():
     bm = BlockManager(8, BS)
     seq = make_seq([1, 2, 3])
     bm.allocate(seq)
+    compute(seq, 3)
     seq.append_token(4)                # fills block 0
-    bm.may_append(seq)
+    assert bm.allocate_slots(seq, 1) == []
+    compute(seq, 1)
     assert bm.blocks[seq.block_table[0]].hash == compute_hash([1, 2, 3, 4])
     seq.append_token(5)                # needs block 1
-    assert bm.can_append(seq)
-    bm.may_append(seq)
+    assert bm.num_blocks_needed(seq, 1) == 1
+    bm.allocate_slots(seq, 1)
     assert len(seq.block_table) == 2
     bm.check_invariants([seq])
+
+
+def test_chunks_allocate_only_their_blocks_and_register_only_computed_full_blocks():
+    bm = BlockManager(8, BS)
+    seq = make_seq(list(range(1, 12)))  # 11 tokens: chunks of 5, 5, 1
+    bm.allocate_slots(seq, 5)
+    assert len(seq.block_table) == 2
+    assert [bm.blocks[b].hash != -1 for b in seq.block_table] == [True, False]
+    compute(seq, 5)
+    bm.check_invariants([seq])
+    bm.allocate_slots(seq, 5)           # tokens 5..9: block 1 becomes full, block 2 partial
+    assert len(seq.block_table) == 3
+    assert [bm.blocks[b].hash != -1 for b in seq.block_table] == [True, True, False]
+    compute(seq, 5)
+    bm.allocate_slots(seq, 1)
+    compute(seq, 1)
+    bm.check_invariants([seq])
+    other = make_seq(list(range(1, 12)))
+    assert bm.num_reusable_tokens(other) == 8
+
+
+def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_last_block():
+    """Seed 001: "Four score and seven years ago our" -> "fathers" / "mothers"."""
+    bm = BlockManager(8, BS)
+    parent = make_seq([1, 2, 3, 4, 5, 6])          # block 0 full, block 1 holds 2 tokens
+    bm.allocate(parent)
+    compute(parent, 6)
+    child = parent.fork()
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    bm.check_invariants([parent, child])
+    parent.append_token(7)                         # "fathers"
+    child.append_token(8)                          # "mothers"
+    shared = parent.block_table[1]
+    assert bm.num_blocks_needed(parent, 1) == 1    # the copy
+    copies = bm.allocate_slots(parent, 1)
+    assert copies == [(shared, parent.block_table[1])] and parent.block_table[1] != shared
+    assert bm.blocks[shared].ref_count == 1
+    assert bm.num_blocks_needed(child, 1) == 0     # the last holder writes in place
+    assert bm.allocate_slots(child, 1) == [] and child.block_table[1] == shared
+    assert bm.blocks[child.block_table[0]].ref_count == 2   # the full prompt block stays shared
+    compute(parent, 1)
+    compute(child, 1)
+    bm.check_invariants([parent, child])
+    bm.deallocate(parent)
+    bm.deallocate(child)
+    assert bm.num_free_blocks == 8 and all(b.ref_count == 0 for b in bm.blocks)
 
 
 def test_prefix_caching_off_never_shares():
@@ -122,9 +177,9 @@ def test_prefix_caching_off_never_shares():
     assert all(blk.hash == -1 for blk in bm.blocks)
 
 
-# ---- property-based: random allocate / append / free sequences keep the invariants ----------
+# ---- property-based: random chunked allocation / decode / fork / free keep the invariants -----
 
-ops = st.lists(st.tuples(st.sampled_from(["new", "append", "free"]),
+ops = st.lists(st.tuples(st.sampled_from(["new", "chunk", "append", "fork", "free"]),
                          st.integers(0, 50), st.lists(st.integers(0, 3), min_size=1, max_size=14)),
                max_size=60)
 
@@ -134,27 +189,51 @@ ops = st.lists(st.tuples(st.sampled_from(["new", "append", "free"]),
 def test_random_operations_keep_block_accounting(operations):
     bm = BlockManager(12, BS)
     live: list[Sequence] = []
+
+    def drop(seq: Sequence) -> None:
+        bm.deallocate(seq)
+        live.remove(seq)
+
     for op, pick, tokens in operations:
+        seq = live[pick % len(live)] if live else None
         if op == "new":
             seq = make_seq(tokens)   # small alphabet: many shared prefixes
-            if bm.can_allocate(seq):
+            n = min(len(seq) - bm.num_reusable_tokens(seq), 1 + pick % 5)  # a chunk
+            if bm.can_allocate_slots(seq, n):
                 free_before = bm.num_free_blocks
-                bm.allocate(seq)
+                bm.allocate_slots(seq, n)
                 assert bm.num_free_blocks >= free_before - seq.num_blocks
+                compute(seq, n)
                 live.append(seq)
-        elif op == "append" and live:
-            seq = live[pick % len(live)]
-            seq.append_token(tokens[0])
-            if bm.can_append(seq):
-                bm.may_append(seq)
+        elif op == "chunk" and seq is not None and seq.num_uncomputed_tokens:
+            n = min(seq.num_uncomputed_tokens, 1 + pick % 5)
+            needed = bm.num_blocks_needed(seq, n)
+            if bm.can_allocate_slots(seq, n):
+                free_before = bm.num_free_blocks
+                bm.allocate_slots(seq, n)
+                assert free_before - bm.num_free_blocks == needed
+                compute(seq, n)
             else:
-                bm.deallocate(seq)
-                live.remove(seq)
-        elif op == "free" and live:
-            bm.deallocate(live.pop(pick % len(live)))
+                drop(seq)
+        elif op == "append" and seq is not None and not seq.num_uncomputed_tokens:
+            seq.append_token(tokens[0])
+            needed = bm.num_blocks_needed(seq, 1)
+            if bm.can_allocate_slots(seq, 1):
+                free_before = bm.num_free_blocks
+                bm.allocate_slots(seq, 1)
+                assert free_before - bm.num_free_blocks == needed
+                compute(seq, 1)
+            else:
+                drop(seq)
+        elif op == "fork" and seq is not None and not seq.num_uncomputed_tokens:
+            child = seq.fork()
+            bm.fork(seq, child)
+            live.append(child)
+        elif op == "free" and seq is not None:
+            drop(seq)
         bm.check_invariants(live)
         assert bm.num_free_blocks + len(bm.used_block_ids) == bm.num_blocks
-    for seq in live:
-        bm.deallocate(seq)
+    for seq in list(live):
+        drop(seq)
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)

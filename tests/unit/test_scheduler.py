@@ -1,4 +1,5 @@
-"""Scheduler: prefill first, decode with preemption of the newest, limits, and invariants."""
+"""Scheduler: one token budget per step (decodes first, then prompt chunks), preemption of
+the newest, limits, n > 1 forks, and invariants."""
 from __future__ import annotations
 
 import random
@@ -14,29 +15,79 @@ EOS = 0
 
 
 def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, max_tokens: int = 64,
-                   max_model_len: int = 64) -> Scheduler:
+                   max_model_len: int = 64, chunked: bool = True) -> Scheduler:
     return Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_tokens, max_model_len=max_model_len,
-                     eos_token_ids=[EOS])
+                     eos_token_ids=[EOS], enable_chunked_prefill=chunked)
 
 
 def make_seq(n: int, max_tokens: int = 8, first: int = 1) -> Sequence:
     return Sequence(list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), BS)
 
 
-def test_prefill_before_decode_and_token_budget():
-    s = make_scheduler(max_tokens=10)
+def rows(batch) -> list[tuple[Sequence, int]]:
+    return list(zip(batch.seqs, batch.num_new_tokens))
+
+
+def test_unchunked_prompts_wait_for_room_in_the_token_budget():
+    s = make_scheduler(max_tokens=10, chunked=False)
     a, b, c = make_seq(6), make_seq(5, first=100), make_seq(3, first=200)
     for seq in (a, b, c):
         s.add(seq)
-    seqs, is_prefill = s.schedule()
-    assert is_prefill and seqs == [a]          # a + b = 11 tokens > budget of 10
-    s.postprocess(seqs, [7])
-    seqs, is_prefill = s.schedule()
-    assert is_prefill and seqs == [b, c]
-    s.postprocess(seqs, [7, 7])
-    seqs, is_prefill = s.schedule()
-    assert not is_prefill and seqs == [a, b, c]
+    batch = s.schedule()
+    assert rows(batch) == [(a, 6)]              # a + b = 11 tokens > budget of 10
+    s.postprocess(batch, [7])
+    batch = s.schedule()
+    assert rows(batch) == [(a, 1), (b, 5), (c, 3)]  # a's decode first, in the same step
+    s.postprocess(batch, [7, 7, 7])
+    batch = s.schedule()
+    assert rows(batch) == [(a, 1), (b, 1), (c, 1)]
+
+
+def test_chunked_prefill_fills_the_budget_after_decodes_and_samples_only_last_chunk():
+    s = make_scheduler(max_tokens=8)
+    a, b = make_seq(3), make_seq(17, first=100)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert rows(batch) == [(a, 3), (b, 5)]      # b's first chunk takes the rest of the budget
+    assert batch.sampled_seqs == [a]            # no sampling for a non-final chunk
+    s.postprocess(batch, [7])
+    assert b.num_computed_tokens == 5 and len(b) == 17
+    batch = s.schedule()
+    assert rows(batch) == [(a, 1), (b, 7)]      # decode first, then the next chunk
+    assert batch.sampled_seqs == [a]
+    s.postprocess(batch, [7])
+    batch = s.schedule()
+    assert rows(batch) == [(a, 1), (b, 5)] and batch.sampled_seqs == [a, b]
+    assert [row for _, row in batch.samplers] == [0, 1]
+    s.postprocess(batch, [7, 7])
+    assert b.num_computed_tokens == 17 and len(b) == 18
+    s.check_invariants()
+
+
+def test_n_samples_fork_from_the_last_chunk_and_share_its_blocks():
+    s = make_scheduler(max_tokens=4)
+    parent = make_seq(6)
+    children = [make_seq(6), make_seq(6)]
+    parent.pending_forks = children
+    s.add(parent)
+    batch = s.schedule()
+    assert rows(batch) == [(parent, 4)] and batch.sampled_seqs == []
+    s.postprocess(batch, [])
+    batch = s.schedule()
+    assert rows(batch) == [(parent, 2)]
+    assert batch.sampled_seqs == [parent, *children]          # all from row 0
+    assert all(row == 0 for _, row in batch.samplers)
+    assert all(c.block_table == parent.block_table for c in children)
+    s.postprocess(batch, [7, 8, 9])
+    assert [c.last_token for c in children] == [8, 9]
+    s.check_invariants()
+    batch = s.schedule()                        # each writes its token into the shared block
+    assert len(batch.blocks_to_copy) == 2       # two copies; the last holder writes in place
+    assert len({seq.block_table[1] for seq in [parent, *children]}) == 3
+    s.postprocess(batch, [1, 1, 1])
+    s.check_invariants()
 
 
 def test_max_num_seqs_limits_running():
@@ -44,8 +95,8 @@ def test_max_num_seqs_limits_running():
     seqs = [make_seq(3, first=10 * i + 1) for i in range(3)]
     for seq in seqs:
         s.add(seq)
-    batch, _ = s.schedule()
-    assert batch == seqs[:2] and len(s.waiting) == 1
+    batch = s.schedule()
+    assert batch.seqs == seqs[:2] and len(s.waiting) == 1
 
 
 def test_preemption_picks_most_recently_admitted_and_it_resumes_first():
@@ -53,14 +104,13 @@ def test_preemption_picks_most_recently_admitted_and_it_resumes_first():
     a, b = make_seq(4, max_tokens=20), make_seq(4, max_tokens=20, first=50)
     s.add(a)
     s.add(b)
-    batch, _ = s.schedule()
+    batch = s.schedule()
     s.postprocess(batch, [9, 9])                  # each now 5 tokens: needs a 2nd block
-    batch, is_prefill = s.schedule()
-    assert not is_prefill
-    assert batch == [a, b]                        # two blocks were free: both got their second
+    batch = s.schedule()
+    assert rows(batch) == [(a, 1), (b, 1)]        # two blocks were free: both got their second
     for _ in range(4):
         s.postprocess(batch, [9] * len(batch))
-        batch, is_prefill = s.schedule()
+        batch = s.schedule()
     # a and b each reached 9 tokens and need a third block: only b, the newest, is preempted
     assert b.status == SequenceStatus.WAITING and s.waiting[0] is b
     assert a.status == SequenceStatus.RUNNING and b.block_table == []
@@ -76,7 +126,7 @@ def test_stop_conditions():
     min_tok = Sequence([1, 2], SamplingParams(max_tokens=10, min_tokens=2), BS)
     for seq in (eos, ignore, stop_id, min_tok):
         s.add(seq)
-    batch, _ = s.schedule()
+    batch = s.schedule()
     s.postprocess(batch, [EOS, EOS, 5, EOS])
     assert eos.finish_reason == "stop" and eos.stop_reason is None
     assert not ignore.is_finished
@@ -92,7 +142,7 @@ def test_max_tokens_and_max_model_len_end_with_length():
     s.add(a)
     s.add(b)
     for _ in range(3):
-        batch, _ = s.schedule()
+        batch = s.schedule()
         if not batch:
             break
         s.postprocess(batch, [9] * len(batch))
@@ -103,10 +153,14 @@ def test_max_tokens_and_max_model_len_end_with_length():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(3, 24), st.integers(1, 6), st.booleans())
-def test_random_workloads_keep_invariants_and_free_everything(seed, num_blocks, max_num_seqs, abort):
+@given(st.integers(0, 2**32 - 1), st.integers(3, 24), st.integers(1, 6), st.booleans(),
+       st.sampled_from([3, 7, 48]), st.integers(1, 3))
+def test_random_workloads_keep_invariants_and_free_everything(seed, num_blocks, max_num_seqs, abort,
+                                                              budget, num_samples):
+    """Chunked prefill (budgets 3 and 7 split prompts, 48 does not), n > 1 forks with
+    copy-on-write, preemption, aborts: the accounting holds after every step."""
     rng = random.Random(seed)
-    s = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_tokens=48,
+    s = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_tokens=budget,
                        max_model_len=48)
     seqs = []
     for i in range(rng.randint(1, 10)):
@@ -116,17 +170,19 @@ def test_random_workloads_keep_invariants_and_free_everything(seed, num_blocks, 
         total = min(48, len(prefix) + n + 6)
         if -(-total // BS) > num_blocks:
             continue  # the engine rejects such a request up front
-        seq = Sequence(prefix + [rng.randint(1, 20) for _ in range(n)],
-                       SamplingParams(max_tokens=6, ignore_eos=True), BS)
-        seqs.append(seq)
-        s.add(seq)
+        tokens = prefix + [rng.randint(1, 20) for _ in range(n)]
+        sp = SamplingParams(max_tokens=6, ignore_eos=True)
+        group = [Sequence(tokens, sp, BS) for _ in range(rng.choice([1, min(num_samples, max_num_seqs)]))]
+        group[0].pending_forks = group[1:]
+        seqs.extend(group)
+        s.add(group[0])
     for _ in range(500):
         if s.is_finished():
             break
-        batch, _ = s.schedule()
+        batch = s.schedule()
         assert batch, "the scheduler must always make progress"
-        assert len(batch) <= max_num_seqs
-        s.postprocess(batch, [rng.randint(1, 20) for _ in batch])
+        assert len(batch) <= max_num_seqs and batch.num_tokens <= budget
+        s.postprocess(batch, [rng.randint(1, 20) for _ in batch.samplers])
         if abort and rng.random() < 0.1:
             live = [q for q in seqs if not q.is_finished]
             if live:
@@ -148,21 +204,21 @@ def test_prefix_hit_after_preemption_resumes_correctly():
     b = Sequence(list(range(50, 58)), SamplingParams(max_tokens=30, ignore_eos=True), BS)
     s.add(a)
     s.add(b)
-    batch, _ = s.schedule()                       # 2 + 2 blocks
+    batch = s.schedule()                          # 2 + 2 blocks
     s.postprocess(batch, [9, 9])
     while b.status != SequenceStatus.WAITING:     # grow until b is preempted
-        batch, _ = s.schedule()
-        s.postprocess(batch, [9] * len(batch))
+        batch = s.schedule()
+        s.postprocess(batch, [9] * len(batch.samplers))
     s.check_invariants()
     b_len = len(b)
     # b's full blocks were freed but keep their hashes: they are found again
     assert s.block_manager.num_reusable_tokens(b) > 0
     s.finish(a, "abort")                          # room for b to come back
-    batch, is_prefill = s.schedule()
-    assert is_prefill and batch == [b]
+    batch = s.schedule()
+    assert rows(batch) == [(b, b_len - b.num_cached_tokens)]
     assert b.num_cached_tokens > 0 and b.num_cached_tokens <= b_len - 1
     s.check_invariants()
     s.postprocess(batch, [9])
-    batch, is_prefill = s.schedule()
-    assert not is_prefill and batch == [b]
+    batch = s.schedule()
+    assert rows(batch) == [(b, 1)]
     s.check_invariants()
