@@ -38,6 +38,11 @@ class EngineConfig:
         "decodes", default=True)
     block_size: int = _opt("tokens per KV-cache block", default=16)
     enable_prefix_caching: bool = _opt("share KV blocks of identical prompt prefixes", default=True)
+    preemption_mode: str = _opt(
+        "what a preempted sequence's KV becomes: recompute (freed, prefilled again) or swap "
+        "(copied to --swap-space and back)", default="recompute", choices=["recompute", "swap"])
+    swap_space: float = _opt("swap space in GiB for preemption_mode swap (a memory-mapped file "
+                             "when the KV cache is on the CPU)", default=4.0)
     kv_cache_memory_bytes: int | None = _opt(
         "KV-cache budget in bytes (overrides --kv-cache-memory-fraction)", default=None)
     kv_cache_memory_fraction: float = _opt("KV-cache budget as a fraction of available RAM",
@@ -75,6 +80,11 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if (not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool)
+                or not 0 <= self.swap_space < 1024):
+            raise ValueError(f"swap_space must be a number of GiB in [0, 1024), got {self.swap_space!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None

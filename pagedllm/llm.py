@@ -55,6 +55,20 @@ class LLM:
             raise
         return self._run(request_ids, use_tqdm)
 
+    def beam_search(self, prompts: Prompt | Seq[Prompt], beam_width: int, max_tokens: int,
+                    length_penalty: float = 1.0, early_stopping: bool | str = False,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beam search of each prompt; each output holds beam_width hypotheses, best first,
+        with their scores in extra["beam_scores"]. Beams share KV blocks (copy on write).
+        Same selection as transformers' generate(num_beams=beam_width, do_sample=False,
+        length_penalty=..., early_stopping=...)."""
+        if not isinstance(beam_width, int) or isinstance(beam_width, bool) or beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {beam_width!r}")
+        params = SamplingParams(n=beam_width, temperature=0.0, max_tokens=max_tokens,
+                                use_beam_search=True, length_penalty=length_penalty,
+                                early_stopping=early_stopping, ignore_eos=False)
+        return self.generate(prompts, params, use_tqdm)
+
     def chat(self, messages: list[Message] | Seq[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

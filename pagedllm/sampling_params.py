@@ -31,6 +31,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Beam search (as vLLM's LLM.beam_search / HF generate(num_beams=n)): n beams, scored
+    # by log-prob sum / generated_length ** length_penalty; early_stopping True, False or
+    # "never" as in transformers.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +85,20 @@ class SamplingParams:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             fail(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.use_beam_search:
+            self._validate_beam_search(fail)
+
+    def _validate_beam_search(self, fail) -> None:  # type: ignore[no-untyped-def]
+        if not _is_number(self.length_penalty):
+            fail(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            fail(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.temperature != 0:
+            fail("beam search is deterministic: use temperature=0")
+        if self.stop_strs or self.min_tokens or self.has_penalties:
+            fail("beam search does not support stop strings, min_tokens or penalties")
+        if self.logprobs is not None:
+            fail("beam search does not support logprobs")
 
     @property
     def greedy(self) -> bool:

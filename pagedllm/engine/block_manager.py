@@ -223,6 +223,24 @@ class BlockManager:
         block.update(h, token_ids)
         self.hash_to_block_id[h] = block.block_id
 
+    def allocate_swapped_in(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Fresh blocks for a sequence coming back from the swap pool; its computed full
+        blocks are registered in the prefix cache again once their KV is copied back."""
+        assert not seq.block_table
+        seq.block_table = [self._take_free_block().block_id for _ in range(num_blocks)]
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, 0, seq.num_computed_tokens // self.block_size)
+        return seq.block_table
+
+    def release_for_swap(self, seq: Sequence) -> list[int]:
+        """Drop the sequence's blocks after their KV was scheduled to be copied out; keeps
+        num_computed_tokens (the KV is kept, elsewhere). Returns the blocks it held."""
+        table = list(seq.block_table)
+        computed = seq.num_computed_tokens
+        self.deallocate(seq)
+        seq.num_computed_tokens = computed
+        return table
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let child share every block of parent (ref counts + 1); they are copied on write."""
         assert not child.block_table
@@ -259,6 +277,20 @@ class BlockManager:
                 if self.hash_to_block_id.get(block.hash) == block_id:
                     del self.hash_to_block_id[block.hash]
                 block.hash, block.token_ids = -1, []
+
+    # ---- memory report ----------------------------------------------------------------------
+
+    def kv_usage(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """(tokens held, token slots allocated) over the used blocks of seqs: a block shared
+        by several sequences counts once, holding as many tokens as its fullest holder."""
+        fill: dict[int, int] = {}
+        bs = self.block_size
+        for seq in seqs:
+            n = len(seq)
+            for i, block_id in enumerate(seq.block_table):
+                held = max(0, min(bs, n - i * bs))
+                fill[block_id] = max(fill.get(block_id, 0), held)
+        return sum(fill.values()), len(fill) * bs
 
     # ---- invariants ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, replace
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
 from pagedllm.engine.model_runner import ModelRunner, available_memory_bytes
@@ -41,6 +42,7 @@ class _RequestState:
     prompt: str | None
     metrics: RequestMetrics
     error: str | None = None
+    beam: BeamSearchState | None = None   # beam search requests only
 
     @property
     def seq(self) -> Sequence:
@@ -49,7 +51,47 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.seq.is_finished for s in self.samples)
+
+
+@dataclass
+class KVMemoryStats:
+    """Samples of KV-cache use, taken after every EVERY-th step (each sample walks every
+    block table, so not after every step unless check_invariants is on)."""
+
+    EVERY = 8
+    num_steps: int = 0
+    num_samples: int = 0
+    tokens_held: int = 0       # summed over samples
+    slots_allocated: int = 0   # summed over samples
+    peak_blocks: int = 0
+
+    def step(self, scheduler: Scheduler, sample: bool = False) -> None:
+        bm = scheduler.block_manager
+        self.peak_blocks = max(self.peak_blocks, len(bm.used_block_ids))
+        if sample or self.num_steps % self.EVERY == 0:
+            held, slots = bm.kv_usage(list(scheduler.running))
+            if slots:
+                self.num_samples += 1
+                self.tokens_held += held
+                self.slots_allocated += slots
+        self.num_steps += 1
+
+    @property
+    def waste(self) -> float:
+        """Fraction of allocated KV slots holding no token, averaged over the samples."""
+        return 1 - self.tokens_held / self.slots_allocated if self.slots_allocated else 0.0
+
+    def report(self, scheduler: Scheduler) -> str:
+        bm = scheduler.block_manager
+        return (f"KV cache: {bm.num_blocks} blocks of {bm.block_size} tokens; peak "
+                f"{self.peak_blocks} blocks used; over {self.num_samples} samples "
+                f"{self.tokens_held} tokens held in {self.slots_allocated} slots allocated: "
+                f"{self.waste:.1%} wasted in partly filled blocks; prefix-cache hit rate "
+                f"{bm.hit_rate:.1%} ({bm.num_hit_tokens} of {bm.num_query_tokens} tokens); "
+                f"{bm.num_copy_on_writes} copies on write; {scheduler.num_preemptions} preemptions")
 
 
 @dataclass
@@ -106,11 +148,14 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, eos_token_ids=self.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill)
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+            num_swap_blocks=self.model_runner.num_swap_blocks)
         self.requests: dict[str, _RequestState] = {}
         self.last_step = StepStats()
         self.num_prompt_tokens = 0        # computed (not cached) prompt tokens, lifetime
         self.num_generation_tokens = 0
+        self.kv_stats = KVMemoryStats()
         self.dead_error: str | None = None   # set once the engine has stopped for good
         self.faults: FaultInjector | None = None
         self.set_fault_injector(FaultInjector.from_env())
@@ -169,8 +214,10 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids, sampling_params)
         now = time.time() if arrival_time is None else arrival_time
+        per_sample = ([sampling_params] if sampling_params.use_beam_search
+                      else _per_sample_params(sampling_params))
         seqs = [Sequence(token_ids, sp, self.config.block_size, request_id, now)
-                for sp in _per_sample_params(sampling_params)]
+                for sp in per_sample]
         for i, seq in enumerate(seqs):
             seq.sample_index = i
         seqs[0].pending_forks = seqs[1:]  # forked once the prompt is computed
@@ -178,17 +225,38 @@ class LLMEngine:
             self.tokenizer, token_ids, skip_special_tokens=sampling_params.skip_special_tokens),
             logprobs=[] if sampling_params.logprobs is not None else None)
             for seq in seqs]
-        self.requests[request_id] = _RequestState(samples, text, RequestMetrics(now))
+        state = _RequestState(samples, text, RequestMetrics(now))
+        if sampling_params.use_beam_search:
+            state.beam = self._beam_state(len(token_ids), sampling_params)
+            state.beam.beams = [seqs[0]]
+        self.requests[request_id] = state
         self.scheduler.add(seqs[0])
+
+    def _beam_state(self, prompt_len: int, sp: SamplingParams) -> BeamSearchState:
+        assert self.config.max_model_len is not None
+        max_tokens = self.config.max_model_len - prompt_len
+        if sp.max_tokens is not None:
+            max_tokens = min(max_tokens, sp.max_tokens)
+        return BeamSearchState(sp.n, max_tokens, sp.length_penalty, sp.early_stopping,
+                               self.eos_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
-        for sample in state.samples:
-            self.scheduler.finish(sample.seq, "abort")
+        self._finish_all(state, "abort")
         return self._output(state)
+
+    def _finish_all(self, state: _RequestState, reason: str) -> None:
+        for sample in state.samples:
+            self.scheduler.finish(sample.seq, reason)
+        if state.beam is not None:
+            for beam in state.beam.beams:
+                self.scheduler.finish(beam, reason)
+            state.beam.beams = []
+            state.beam.done = True
+            state.beam.finish_reason = reason
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -210,6 +278,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         except Exception as e:
             raise self._die(f"scheduling failed: {type(e).__name__}: {e}") from e
+        if batch.has_block_moves:
+            self.model_runner.move_blocks(batch)
         if not batch.seqs:
             return []
         self._check_invariants("after scheduling")
@@ -239,9 +309,18 @@ class LLMEngine:
             raise self._die(f"postprocessing failed: {type(e).__name__}: {e}") from e
         advanced: dict[str, _RequestState] = {}
         for seq in batch.sampled_seqs:
-            if seq.request_id in self.requests:  # (not if its detokenizer failed just now)
+            if seq.request_id not in self.requests:  # its detokenizer failed just now
+                continue
+            if seq.is_beam:
+                state = self.requests[seq.request_id]
+                if state.beam is not None and state.beam.ready() and not state.beam.done:
+                    self._advance_beams(state)
+                    if state.beam.done:
+                        advanced[seq.request_id] = state
+            else:
                 advanced[seq.request_id] = self._process_new_token(seq)
         outputs = [self._output(state) for state in advanced.values()]
+        self.kv_stats.step(self.scheduler, sample=self.config.check_invariants)
         self._check_invariants("after the step")
         self.last_step = StepStats(batch.num_prefill_tokens > 0, len(batch), batch.num_tokens,
                                    time.perf_counter() - t, batch.num_prefill_tokens)
@@ -250,6 +329,8 @@ class LLMEngine:
     def _record_logprobs(self, seqs: list[Sequence],
                          logprobs: list[TokenLogprobs | None]) -> None:
         for seq, token_logprobs in zip(seqs, logprobs):
+            if seq.is_beam:  # (SamplingParams rejects logprobs with beam search)
+                continue
             sample = self.requests[seq.request_id].samples[seq.sample_index]
             if token_logprobs is not None and sample.logprobs is not None:
                 sample.logprobs.append(token_logprobs)
@@ -271,6 +352,34 @@ class LLMEngine:
         if not seq.is_finished:
             self._check_stop_strings(sample)
         return state
+
+    def _advance_beams(self, state: _RequestState) -> None:
+        """One beam-search step: fork the beams that continue, drop the others (their blocks
+        are freed), append each new beam's token."""
+        beam = state.beam
+        assert beam is not None
+        parents = beam.beams
+        candidates = beam.select()
+        used: set[int] = set()
+        next_beams: list[Sequence] = []
+        for cand in candidates:  # forks first, from the parents' state before this step
+            parent = parents[cand.parent]
+            if cand.parent in used:
+                child = parent.fork()
+                self.scheduler.add_fork(parent, child)
+            else:
+                used.add(cand.parent)
+                child = parent
+            next_beams.append(child)
+        for i, parent in enumerate(parents):
+            parent.beam_logprobs = None
+            if i not in used:
+                self.scheduler.finish(parent, "abort")  # a dropped beam frees its blocks
+        for i, (child, cand) in enumerate(zip(next_beams, candidates)):
+            child.append_token(cand.token_id)
+            child.cum_logprob = cand.cum_logprob
+            child.sample_index = i
+        beam.beams = next_beams
 
     def _check_stop_strings(self, state: _SampleState) -> None:
         sp = state.seq.sampling_params
@@ -300,7 +409,9 @@ class LLMEngine:
                     continue
                 # Their newest KV may be unwritten: no later request may find it by hash.
                 self.scheduler.block_manager.forget_hashes(sample.seq)
-                self.scheduler.finish(sample.seq, "error")
+            for beam in state.beam.beams if state.beam is not None else []:
+                self.scheduler.block_manager.forget_hashes(beam)
+            self._finish_all(state, "error")
             state.error = error
             outputs[seq.request_id] = self._output(state)
         return list(outputs.values())
@@ -323,7 +434,8 @@ class LLMEngine:
 
     def _check_request_states(self) -> None:
         """Every live sequence has its request state and every request state a live sequence."""
-        live = {seq.request_id for seq in (*self.scheduler.waiting, *self.scheduler.running)}
+        sched = self.scheduler
+        live = {seq.request_id for seq in (*sched.waiting, *sched.running, *sched.swapped)}
         for request_id, state in self.requests.items():
             if state.finished or request_id not in live:
                 raise AssertionError(f"request {request_id!r} is kept but not scheduled ({state.seq})")
@@ -339,10 +451,13 @@ class LLMEngine:
             for sample in state.samples:
                 sample.seq.status = SequenceStatus.FINISHED
                 sample.seq.finish_reason = "error"
+            if state.beam is not None:
+                state.beam.done, state.beam.finish_reason = True, "error"
             state.error = f"engine stopped: {message}"
             outputs.append(self._output(state))
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
+        self.scheduler.swapped.clear()
         return EngineDeadError(f"engine stopped: {message}", outputs)
 
     def _output(self, state: _RequestState) -> RequestOutput:
@@ -352,6 +467,8 @@ class LLMEngine:
             state.metrics.finished_time = time.time()
             state.metrics.num_preemptions = sum(s.seq.num_preemptions for s in state.samples)
             self.requests.pop(seq.request_id, None)
+        if state.beam is not None:
+            return self._beam_output(state)
         completions = [CompletionOutput(i, s.text, s.seq.completion_token_ids,
                                         s.seq.finish_reason, s.seq.stop_reason,
                                         list(s.logprobs) if s.logprobs is not None else None)
@@ -359,7 +476,33 @@ class LLMEngine:
         return RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, completions,
                              finished, state.metrics, state.error)
 
+    def _beam_output(self, state: _RequestState) -> RequestOutput:
+        """The finished hypotheses, best first (or the live beams while it runs)."""
+        beam, seq = state.beam, state.seq
+        assert beam is not None
+        if beam.done:
+            hyps = [(h.token_ids, h.score) for h in beam.finished]
+        else:
+            hyps = [(b.completion_token_ids, b.cum_logprob) for b in beam.beams]
+        completions = []
+        for i, (tokens, _) in enumerate(hyps):
+            reason = beam.finish_reason or (
+                "stop" if tokens and tokens[-1] in self.eos_token_ids else "length")
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            completions.append(CompletionOutput(i, text, tokens, reason if beam.done else None))
+        if not completions and beam.done:  # aborted or failed before any hypothesis
+            completions.append(CompletionOutput(0, "", [], beam.finish_reason))
+        out = RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, completions,
+                            beam.done, state.metrics, state.error)
+        out.extra["beam_scores"] = [score for _, score in hyps]
+        return out
+
     # ---- introspection ------------------------------------------------------------------------
+
+    def kv_memory_report(self) -> str:
+        """Tokens held vs KV slots allocated over the steps so far (internal fragmentation of
+        partly filled last blocks), and the prefix-cache hit rate."""
+        return self.kv_stats.report(self.scheduler)
 
     def stats(self) -> EngineStats:
         bm = self.scheduler.block_manager
@@ -378,7 +521,8 @@ class LLMEngine:
                      "num_prompt_tokens": seq.num_prompt_tokens, "num_tokens": len(seq),
                      "num_cached_tokens": seq.num_cached_tokens,
                      "block_table": list(seq.block_table)}
-                    for seq in (*self.scheduler.running, *self.scheduler.waiting)]
+                    for seq in (*self.scheduler.running, *self.scheduler.swapped,
+                                *self.scheduler.waiting)]
         return KVCacheSnapshot(bm.block_size, [b.ref_count for b in bm.blocks], cached,
                                requests, self.stats())
 

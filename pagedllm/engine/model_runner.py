@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.fault_injection import FaultInjector
 from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.swap import allocate_swap_tensor
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.models.config import ModelConfig
@@ -65,6 +66,7 @@ class ModelRunner:
                     str(self.dtype).removeprefix("torch."), model_config.num_hidden_layers,
                     time.perf_counter() - t)
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.num_swap_blocks = self.allocate_swap_space()
 
     # ---- KV cache -----------------------------------------------------------------------------
 
@@ -104,6 +106,23 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (budget: %s)",
                     num_blocks, self.block_size, num_blocks * self.block_size,
                     num_blocks * block_bytes / 2**20, source)
+        return num_blocks
+
+    def allocate_swap_space(self) -> int:
+        """The second-tier pool for swap preemption (engine/swap.py); none for recompute."""
+        cfg = self.config
+        if cfg.preemption_mode != "swap":
+            self.swap_cache = None
+            return 0
+        num_blocks = int(cfg.swap_space * 2**30) // self.kv_block_bytes()
+        if num_blocks < 1:
+            raise ValueError(f"swap_space of {cfg.swap_space} GiB is smaller than one KV block "
+                             f"({self.kv_block_bytes()} bytes)")
+        shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
+        self.swap_cache = allocate_swap_tensor(shape, self.dtype, self.kv_cache.device)
+        where = "memory-mapped file" if self.kv_cache.device.type == "cpu" else "host memory"
+        logger.info("swap space: %d blocks, %.1f MiB (%s)", num_blocks,
+                    num_blocks * self.kv_block_bytes() / 2**20, where)
         return num_blocks
 
     # ---- input preparation ----------------------------------------------------------------
@@ -206,17 +225,25 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate whole KV blocks (every layer, K and V) src -> dst."""
-        if blocks_to_copy:
-            src, dst = (torch.tensor(ids) for ids in zip(*blocks_to_copy))
+    def move_blocks(self, batch: ScheduledBatch) -> None:
+        """Before the forward pass: swap out, swap in, then copy on write (whole blocks,
+        every layer, K and V). Out first: a block freed by a swap-out may be reused below."""
+        if batch.blocks_to_swap_out:
+            assert self.swap_cache is not None
+            src, dst = _ids(batch.blocks_to_swap_out)
+            self.swap_cache[:, :, dst] = self.kv_cache[:, :, src].to(self.swap_cache.device)
+        if batch.blocks_to_swap_in:
+            assert self.swap_cache is not None
+            src, dst = _ids(batch.blocks_to_swap_in)
+            self.kv_cache[:, :, dst] = self.swap_cache[:, :, src].to(self.kv_cache.device)
+        if batch.blocks_to_copy:
+            src, dst = _ids(batch.blocks_to_copy)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> SamplerOutput:
         """Compute the batch's tokens; sample one token id (and its logprobs, if asked) per
-        batch.samplers entry."""
-        self.copy_blocks(batch.blocks_to_copy)
+        batch.samplers entry. move_blocks(batch) must have run first."""
         input_ids, positions = self.prepare_inputs(batch.seqs, batch.num_new_tokens)
         try:
             hidden = self.model(input_ids, positions)
@@ -227,6 +254,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last[rows]])  # type: ignore[attr-defined]
         finally:
             reset_context()
+        self.beam_logprobs(batch, logits)
         sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids)
         if self.faults is not None:
             self.faults.check("sampler", batch.sampled_seqs)
@@ -234,3 +262,17 @@ class ModelRunner:
         logprobs = (compute_logprobs(logits, sampling, token_ids)
                     if sampling.num_logprobs is not None else None)
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+    @staticmethod
+    def beam_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Beams are not sampled: give each its next-token log-probabilities (fp32)."""
+        rows = [i for i, (seq, _) in enumerate(batch.samplers) if seq.is_beam]
+        if rows:
+            logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+            for i, lp in zip(rows, logprobs):
+                batch.samplers[i][0].beam_logprobs = lp
+
+
+def _ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    src, dst = zip(*pairs)
+    return torch.tensor(src), torch.tensor(dst)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.swap import SwapPool
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,14 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     samplers: list[tuple[Sequence, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Swap preemption: (device block, swap block) to copy out, (swap block, device block)
+    # to copy back; out before in before copies, all before the forward pass.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def has_block_moves(self) -> bool:
+        return bool(self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -59,7 +68,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True) -> None:
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute", num_swap_blocks: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -68,10 +78,15 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.swapped: deque[Sequence] = deque()
+        self.preemption_mode = preemption_mode
+        self.swap_pool = SwapPool(num_swap_blocks)
+        self._swap_out: list[tuple[int, int]] = []   # moves decided during this schedule()
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.swapped
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -82,10 +97,51 @@ class Scheduler:
         """Spend one step's token budget: running sequences first, then waiting prompts."""
         rows: list[tuple[Sequence, int]] = []
         copies: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        self._swap_out = []
         budget, preempted = self._schedule_running(self.max_num_batched_tokens, rows, copies)
         if not preempted:  # blocks are short: admitting more would only preempt again
+            budget = self._schedule_swapped(budget, rows, copies, swap_in)
+            if not self.swapped:  # swapped sequences resume before new ones start
+                self._schedule_waiting(budget, rows, copies)
+        if not rows and self.waiting and self.running:
+            self._make_room_for_waiting()
             self._schedule_waiting(budget, rows, copies)
-        return self._make_batch(rows, copies)
+        batch = self._make_batch(rows, copies)
+        batch.blocks_to_swap_out, batch.blocks_to_swap_in = self._swap_out, swap_in
+        return batch
+
+    def _schedule_swapped(self, budget: int, rows: list[tuple[Sequence, int]],
+                          copies: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
+        """Bring swapped sequences back, oldest first, while their blocks (+ one) fit."""
+        bm = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if bm.num_free_blocks < len(seq.swap_table) + 1:
+                break
+            self.swapped.popleft()
+            table = bm.allocate_swapped_in(seq, len(seq.swap_table))
+            swap_in.extend(zip(seq.swap_table, table))
+            self.swap_pool.release(seq.swap_table)
+            seq.swap_table = []
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n:  # (0 for a beam waiting for the rest of its group)
+                copies.extend(bm.allocate_slots(seq, n))
+                rows.append((seq, n))
+                budget -= n
+        return budget
+
+    def _make_room_for_waiting(self) -> None:
+        """Nothing running can advance (beams wait for the rest of their group) and the
+        waiting head does not fit: preempt running sequences to the back of the queue."""
+        head = self.waiting[0]
+        bm = self.block_manager
+        while self.running and not bm.can_allocate_slots(
+                head, len(head) - bm.num_reusable_tokens(head)):
+            seq = self.running.pop()
+            self.preempt(seq, to_front=False, allow_swap=False)
 
     def _schedule_running(self, budget: int, rows: list[tuple[Sequence, int]],
                           copies: list[tuple[int, int]]) -> tuple[int, bool]:
@@ -94,6 +150,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_uncomputed_tokens == 0:  # a beam waiting for the rest of its group
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate_slots(seq, n):
                 # The most recently admitted sequence gives its blocks back.
@@ -153,15 +212,47 @@ class Scheduler:
             self.running.append(child)
         return children
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's blocks; it waits at the head of the queue and is recomputed."""
-        logger.info("preempting request %s (%d tokens) to free KV blocks", seq.request_id, len(seq))
-        self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
+    def preempt(self, seq: Sequence, to_front: bool = True, allow_swap: bool = True) -> None:
+        """Free the sequence's blocks. With preemption_mode "swap" (and room in the swap
+        pool) its KV is copied out and it resumes from there; otherwise it waits (at the
+        head of the queue unless to_front is False) and is recomputed."""
+        if seq in self.running:
+            self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if (allow_swap and self.preemption_mode == "swap"
+                and len(seq.block_table) <= self.swap_pool.num_free_blocks):
+            self._swap_out_seq(seq)
+            return
+        logger.info("preempting request %s (%d tokens) to free KV blocks; it will be "
+                    "recomputed", seq.request_id, len(seq))
+        seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        if to_front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _swap_out_seq(self, seq: Sequence) -> None:
+        logger.info("swapping out request %s (%d tokens, %d blocks)", seq.request_id, len(seq),
+                    len(seq.block_table))
+        table = self.block_manager.release_for_swap(seq)
+        seq.swap_table = self.swap_pool.take(len(table))
+        self._swap_out.extend(zip(table, seq.swap_table))
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+        self.num_swap_outs += 1
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """Schedule a fork of parent (made by Sequence.fork): it shares parent's blocks, or
+        waits beside it when parent was preempted."""
+        self.block_manager.fork(parent, child)
+        if parent.block_table:
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.status = SequenceStatus.WAITING
+            self.waiting.append(child)
 
     # ---- after the step ---------------------------------------------------------------------
 
@@ -170,6 +261,8 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         for (seq, _), token_id in zip(batch.samplers, token_ids):
+            if seq.is_beam:  # beams advance together, in the engine's beam step
+                continue
             seq.append_token(token_id)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
@@ -196,6 +289,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swap_pool.release(seq.swap_table)
+            seq.swap_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -210,3 +307,10 @@ class Scheduler:
         for seq in self.waiting:
             if seq.block_table:
                 raise AssertionError(f"waiting {seq} holds blocks")
+        swap_ids = [b for seq in self.swapped for b in seq.swap_table]
+        for seq in self.swapped:
+            if seq.block_table or len(seq.swap_table) * self.block_manager.block_size < \
+                    seq.num_computed_tokens:
+                raise AssertionError(f"swapped {seq} holds device blocks or too few swap blocks")
+        if sorted(swap_ids + self.swap_pool.free_block_ids) != list(range(self.swap_pool.num_blocks)):
+            raise AssertionError("swap pool: used + free blocks are not every block exactly once")

@@ -12,6 +12,7 @@ from pagedllm.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    SWAPPED = auto()   # preempted with its KV copied to the swap pool
     FINISHED = auto()
 
 
@@ -39,6 +40,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_size = block_size
         self.block_table: list[int] = []
+        self.swap_table: list[int] = []     # swap-pool blocks holding its KV while SWAPPED
         self.block_hashes: list[int] = []   # chained hashes of full blocks, filled lazily
         self.sampling_params = sampling_params
         # A seeded request samples from its own generator: reproducible in any batch.
@@ -53,6 +55,10 @@ class Sequence:
         # sequence when its prompt is computed; they share its blocks until they diverge.
         self.pending_forks: list[Sequence] = []
         self.sample_index = 0   # which of the request's n samples (or beams) this is
+        # Beam search: log-prob sum of the generated tokens, and the next token's log-probs
+        # once computed (until the request's beams all have theirs and advance together).
+        self.cum_logprob = 0.0
+        self.beam_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -84,6 +90,10 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_beam(self) -> bool:
+        return self.sampling_params.use_beam_search
 
     @property
     def is_prefill(self) -> bool:
@@ -123,6 +133,7 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.status = self.status
         child.first_token_time = self.first_token_time
+        child.cum_logprob = self.cum_logprob
         return child
 
     def __repr__(self) -> str:

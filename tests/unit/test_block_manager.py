@@ -237,3 +237,40 @@ def test_random_operations_keep_block_accounting(operations):
         drop(seq)
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_lru_eviction_order_follows_last_use_and_hit_rate_counts_tokens():
+    bm = BlockManager(4, BS)
+    a, b = make_seq(list(range(5))), make_seq(list(range(100, 105)))  # 1 full block + 1 partial
+    bm.allocate(a)
+    bm.allocate(b)
+    a_full, b_full = a.block_table[0], b.block_table[0]
+    bm.deallocate(a)
+    bm.deallocate(b)                    # free list: ..., a tail, a_full, b tail, b_full
+    assert bm.num_cached_free_blocks == 2 and bm.hit_rate == 0.0
+    again = make_seq(list(range(5)))    # revives a_full: a is now the most recently used
+    bm.allocate(again)
+    assert again.block_table[0] == a_full and bm.hit_rate == 4 / 12
+    bm.deallocate(again)
+    assert list(bm.free_block_ids)[-1] == a_full
+    # Three fresh blocks evict the least recently freed first: b_full goes before a_full.
+    c = make_seq(list(range(200, 211)))
+    bm.allocate(c)
+    assert b_full in c.block_table and a_full not in c.block_table
+    assert bm.num_reusable_tokens(make_seq(list(range(100, 105)))) == 0   # evicted: unindexed
+    assert bm.num_reusable_tokens(make_seq(list(range(5)))) == 4
+    bm.check_invariants([c])
+
+
+def test_kv_usage_counts_shared_blocks_once():
+    bm = BlockManager(8, BS)
+    a = make_seq(list(range(10)))       # 3 blocks, 10 tokens: 2 slots unused
+    bm.allocate(a)
+    compute(a, 10)
+    assert bm.kv_usage([a]) == (10, 12)
+    b = a.fork()
+    bm.fork(a, b)
+    assert bm.kv_usage([a, b]) == (10, 12)
+    b.append_token(3)
+    bm.allocate_slots(b, 1)             # copy on write of the last block
+    assert bm.kv_usage([a, b]) == (10 + 3, 16)

@@ -15,10 +15,12 @@ EOS = 0
 
 
 def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, max_tokens: int = 64,
-                   max_model_len: int = 64, chunked: bool = True) -> Scheduler:
+                   max_model_len: int = 64, chunked: bool = True, preemption_mode: str = "recompute",
+                   num_swap_blocks: int = 0) -> Scheduler:
     return Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_tokens, max_model_len=max_model_len,
-                     eos_token_ids=[EOS], enable_chunked_prefill=chunked)
+                     eos_token_ids=[EOS], enable_chunked_prefill=chunked,
+                     preemption_mode=preemption_mode, num_swap_blocks=num_swap_blocks)
 
 
 def make_seq(n: int, max_tokens: int = 8, first: int = 1) -> Sequence:
@@ -154,14 +156,16 @@ def test_max_tokens_and_max_model_len_end_with_length():
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(3, 24), st.integers(1, 6), st.booleans(),
-       st.sampled_from([3, 7, 48]), st.integers(1, 3))
+       st.sampled_from([3, 7, 48]), st.integers(1, 3), st.sampled_from([0, 5, 64]))
 def test_random_workloads_keep_invariants_and_free_everything(seed, num_blocks, max_num_seqs, abort,
-                                                              budget, num_samples):
+                                                              budget, num_samples, swap_blocks):
     """Chunked prefill (budgets 3 and 7 split prompts, 48 does not), n > 1 forks with
-    copy-on-write, preemption, aborts: the accounting holds after every step."""
+    copy-on-write, preemption by recompute or swap (a pool of 5 blocks often too small:
+    then recompute), aborts: the accounting holds after every step."""
     rng = random.Random(seed)
     s = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_tokens=budget,
-                       max_model_len=48)
+                       max_model_len=48, preemption_mode="swap" if swap_blocks else "recompute",
+                       num_swap_blocks=swap_blocks)
     seqs = []
     for i in range(rng.randint(1, 10)):
         # a few shared prefixes to exercise the prefix cache
@@ -192,6 +196,7 @@ def test_random_workloads_keep_invariants_and_free_everything(seed, num_blocks, 
     bm = s.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+    assert s.swap_pool.num_free_blocks == swap_blocks
     for seq in seqs:
         assert seq.finish_reason in ("length", "abort")
 
@@ -221,4 +226,28 @@ def test_prefix_hit_after_preemption_resumes_correctly():
     s.postprocess(batch, [9])
     batch = s.schedule()
     assert rows(batch) == [(b, 1)]
+    s.check_invariants()
+
+
+def test_swap_preemption_keeps_computed_tokens_and_moves_blocks_both_ways():
+    s = make_scheduler(num_blocks=4, preemption_mode="swap", num_swap_blocks=8)
+    a, b = make_seq(4, max_tokens=20), make_seq(4, max_tokens=20, first=50)
+    s.add(a)
+    s.add(b)
+    s.postprocess(s.schedule(), [9, 9])
+    s.postprocess(s.schedule(), [9, 9])           # 6 tokens each: 2 blocks each, cache full
+    for _ in range(3):
+        s.postprocess(s.schedule(), [9, 9])
+    batch = s.schedule()                          # 9th token: b (newest) is swapped out
+    assert b.status == SequenceStatus.SWAPPED and b.block_table == [] and len(b.swap_table) == 2
+    assert b.num_computed_tokens == 8
+    assert [dst for _, dst in batch.blocks_to_swap_out] == b.swap_table
+    assert rows(batch) == [(a, 1)]
+    s.check_invariants()
+    s.finish(a, "abort")
+    batch = s.schedule()                          # b comes back: its KV copied in, 1 token computed
+    swapped_to = [dst for _, dst in batch.blocks_to_swap_in]
+    assert len(swapped_to) == 2 and b.block_table[:2] == swapped_to
+    assert rows(batch) == [(b, 1)] and b.status == SequenceStatus.RUNNING
+    assert s.swap_pool.num_free_blocks == 8
     s.check_invariants()
