@@ -94,11 +94,19 @@ class SamplingParams:
         if self.early_stopping not in (True, False, "never"):
             fail(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.temperature != 0:
-            fail("beam search is deterministic: use temperature=0")
-        if self.stop_strs or self.min_tokens or self.has_penalties:
-            fail("beam search does not support stop strings, min_tokens or penalties")
+            fail(f"temperature must be 0 with beam search (it is deterministic), "
+                 f"got {self.temperature!r}")
+        if self.stop_strs:
+            fail("stop strings are not supported with beam search")
+        if self.min_tokens:
+            fail("min_tokens is not supported with beam search")
+        if self.ignore_eos or self.stop_token_ids:
+            fail("ignore_eos and stop_token_ids are not supported with beam search (it stops "
+                 "at the model's EOS tokens)")
+        if self.has_penalties:
+            fail("penalties (repetition, presence, frequency) are not supported with beam search")
         if self.logprobs is not None:
-            fail("beam search does not support logprobs")
+            fail("logprobs are not supported with beam search")
 
     @property
     def greedy(self) -> bool:

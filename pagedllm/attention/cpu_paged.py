@@ -144,7 +144,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     q = q.contiguous()
     if not ctx.is_prefill:
         return decode_attention(q, k_cache, v_cache, ctx, scale)
-    num_decodes = getattr(ctx, "num_decodes", 0)  # a mixed batch: decode rows come first
+    num_decodes = ctx.num_decodes  # a mixed batch (chunked prefill): decode rows come first
     if num_decodes == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale)
     return torch.cat([decode_attention(q[:num_decodes], k_cache, v_cache, ctx, scale),

@@ -40,7 +40,12 @@ def model(server):
     ({"temperature": -1}, 400, ["temperature"], "temperature"),
     ({"top_p": 0}, 400, ["top_p"], "top_p"),
     ({"max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),
-    ({"n": 2}, 400, ["n=2", "not supported"], "n"),
+    ({"n": 2, "best_of": 3}, 400, ["best_of", "use_beam_search"], "best_of"),
+    ({"n": 3, "best_of": 2, "use_beam_search": True}, 400, ["best_of", ">= n"], "best_of"),
+    ({"use_beam_search": True, "temperature": 0.7}, 400, ["beam search"], "temperature"),
+    ({"use_beam_search": True, "logprobs": 2}, 400, ["beam search"], "logprobs"),
+    ({"use_beam_search": True, "early_stopping": "sometimes"}, 400, ["early_stopping"],
+     "early_stopping"),
     ({"stop": [""]}, 400, ["stop"], None),
     ({"model": "gpt-4"}, 404, ["gpt-4", "does not exist"], "model"),
 ])

@@ -117,3 +117,25 @@ def test_a_stale_build_lock_is_broken_not_waited_on(tmp_path):
     os.utime(lock, (old, old))
     cpu_paged._wait_for_other_builder(lock)  # returns instead of hanging
     assert not lock.exists()
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_mixed_batch_decodes_then_chunks_match_torch_native(block_size):
+    """A chunked-prefill step: decode rows first (the decode kernel), then a short chunk over
+    a cached prefix (kernel), a long one (gather + SDPA) and a fresh prompt (flash), in one
+    Context as ModelRunner.prepare_inputs builds it."""
+    heads, kv_heads, dim, scale = 9, 3, 64, 0.125
+    rows = [(40, 1), (300, 1), (48, 16), (64, 64), (0, 24)]
+    num_decodes = 2
+    b = Batch(rows, heads, kv_heads, dim, block_size, torch.float32, seed=9)
+    q = torch.cat(b.q)
+    k = torch.cat([k[c:] for k, (c, _) in zip(b.k, rows)])
+    v = torch.cat([v[c:] for v, (c, _) in zip(b.v, rows)])
+    slots = torch.tensor(sum((b.slots(i, c, c + n) for i, (c, n) in enumerate(rows)), []))
+    ctx = Context(is_prefill=True, num_decodes=num_decodes, slot_mapping=slots,
+                  block_tables=b.block_tables,
+                  context_lens=torch.tensor([c + n for c, n in rows[:num_decodes]]),
+                  seqlens_q=[n for _, n in rows], seqlens_k=[c + n for c, n in rows])
+    ours = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
+    ref = torch_native.attention(q, k, v, b.k_cache.clone(), b.v_cache.clone(), ctx, scale)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.double(), b.reference(scale), atol=1e-5, rtol=1e-5)

@@ -45,6 +45,7 @@ class ServerMetrics:
             self.batch_size.labels("prefill" if step.is_prefill else "decode").observe(len(outputs))
         for out in outputs:
             rid = out.request_id
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)  # all n samples
             seen = self._num_tokens.get(rid)
             if seen is None:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -52,13 +53,13 @@ class ServerMetrics:
                 seen = 0
             else:
                 self.itl.observe(now - self._last_token_time[rid])
-            self.generation_tokens.inc(len(out.token_ids) - seen)
+            self.generation_tokens.inc(max(0, num_tokens - seen))
             if out.finished:
                 self._num_tokens.pop(rid, None)
                 self._last_token_time.pop(rid, None)
                 self.requests_finished.labels(out.finish_reason or "unknown").inc()
             else:
-                self._num_tokens[rid] = len(out.token_ids)
+                self._num_tokens[rid] = num_tokens
                 self._last_token_time[rid] = now
 
     def forget(self, request_id: str) -> None:

@@ -44,9 +44,34 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's beam-search extras: best_of beams (default n), the n best returned
+    use_beam_search: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams of this request; raises ValueError naming a bad field."""
+        """SamplingParams of this request; raises ValueError naming a bad field.
+
+        With beam search its n is the beam width (best_of, default n); the server returns
+        the n best hypotheses.
+        """
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.use_beam_search:
+            return SamplingParams(
+                n=self.best_of or self.n,
+                temperature=0.0 if self.temperature is None else self.temperature,
+                seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+                use_beam_search=True, length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping)
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) needs use_beam_search: "
+                             f"sampled completions are not ranked")
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,

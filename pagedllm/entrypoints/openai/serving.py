@@ -24,12 +24,13 @@ RETRY_AFTER_SECONDS = 1
 
 @dataclass
 class _Prepared:
-    """A validated request, ready to run: one prompt (token ids) per choice."""
+    """A validated request, ready to run: its prompts (token ids), n choices from each."""
 
     request_id: str
     created: int
     sampling_params: SamplingParams
     prompts: list[list[int]]
+    n: int   # choices per prompt (sampling_params.n, except with a wider beam search)
     include_usage: bool
     finals: list[RequestOutput] = field(default_factory=list)  # filled as requests finish
 
@@ -47,22 +48,20 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model")
 
-    def _sampling_params(self, build: Callable[[], SamplingParams], n: int) -> SamplingParams:
-        if n != 1:
-            raise APIError(400, f"n={n}: parallel sampling (n > 1) is not supported yet", "n")
+    def _sampling_params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
         try:
             return build()
         except ValueError as e:
             raise APIError(400, str(e), str(e).split()[0]) from None
 
     def _prepare(self, prefix: str, prompts: list[str | list[int]], sp: SamplingParams,
-                 include_usage: bool) -> _Prepared:
+                 n: int, include_usage: bool) -> _Prepared:
         try:
             token_ids = [self.engine.prepare(p, sp) for p in prompts]
         except ValueError as e:
             raise APIError(400, str(e), "prompt") from None
         self._check_capacity(len(prompts))
-        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), sp, token_ids,
+        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), sp, token_ids, n,
                          include_usage)
 
     def _check_capacity(self, num_requests: int) -> None:
@@ -83,20 +82,21 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
-        sp = self._sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs), req.n)
+        sp = self._sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs))
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty", "prompt")
-        prep = self._prepare("cmpl", prompts, sp, bool(req.stream_options and req.stream_options.include_usage))
+        prep = self._prepare("cmpl", prompts, sp, req.n,
+                             bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
             return _event_stream(self._completion_events(prep))
         finals = await _collect(self._streams(prep), raw)
         choices = [{"index": index, "text": c.text, "finish_reason": c.finish_reason,
                     "logprobs": self._completion_logprobs(c.logprobs)
                     if sp.logprobs is not None else None}
-                   for index, c in _choices(finals, sp.n)]
+                   for index, c in _choices(finals, prep.n)]
         return {"id": prep.request_id, "object": "text_completion", "created": prep.created,
-                "model": self.model_name, "choices": choices, "usage": _usage(finals)}
+                "model": self.model_name, "choices": choices, "usage": _usage(finals, prep.n)}
 
     async def _completion_events(self, prep: _Prepared) -> AsyncIterator[str]:
         sp = prep.sampling_params
@@ -111,7 +111,7 @@ class OpenAIServing:
                       ) -> AsyncIterator[tuple[int, CompletionOutput, str, list[TokenLogprobs]]]:
         """(choice index, completion, new text, new logprobs) whenever a choice has news;
         the finished outputs are left in prep.finals for the usage."""
-        n = prep.sampling_params.n
+        n = prep.n
         trackers: dict[int, DeltaTracker] = {}
         finals: dict[int, RequestOutput] = {}
         async with aclosing(merge(self._streams(prep))) as outputs:
@@ -119,7 +119,7 @@ class OpenAIServing:
                 _raise_on_error(out)
                 if out.finished:
                     finals[i] = out
-                for c in out.outputs:
+                for c in out.outputs[:n]:
                     index = i * n + c.index
                     tracker = trackers.setdefault(index, DeltaTracker(prep.sampling_params))
                     if tracker.done:
@@ -149,7 +149,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        sp = self._sampling_params(lambda: req.sampling_params(max_tokens, num_logprobs), req.n)
+        sp = self._sampling_params(lambda: req.sampling_params(max_tokens, num_logprobs))
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
@@ -157,7 +157,7 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the template's own message says what is wrong
             raise APIError(400, f"the chat template failed: {e}", "messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # BOS is in the template
-        prep = self._prepare("chatcmpl", [prompt], sp,
+        prep = self._prepare("chatcmpl", [prompt], sp, req.n,
                              bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
             return _event_stream(self._chat_events(prep))
@@ -165,13 +165,13 @@ class OpenAIServing:
         choices = [{"index": index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c.logprobs) if num_logprobs is not None else None,
                     "finish_reason": c.finish_reason}
-                   for index, c in _choices(finals, sp.n)]
+                   for index, c in _choices(finals, prep.n)]
         return {"id": prep.request_id, "object": "chat.completion", "created": prep.created,
-                "model": self.model_name, "choices": choices, "usage": _usage(finals)}
+                "model": self.model_name, "choices": choices, "usage": _usage(finals, prep.n)}
 
     async def _chat_events(self, prep: _Prepared) -> AsyncIterator[str]:
         sp = prep.sampling_params
-        for index in range(len(prep.prompts) * sp.n):
+        for index in range(len(prep.prompts) * prep.n):
             yield sse(self._chunk(prep, "chat.completion.chunk", {
                 "index": index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}))
@@ -209,17 +209,19 @@ class OpenAIServing:
 
     def _usage_chunk(self, prep: _Prepared, obj: str, finals: list[RequestOutput]) -> dict:
         return {"id": prep.request_id, "object": obj, "created": prep.created,
-                "model": self.model_name, "choices": [], "usage": _usage(finals)}
+                "model": self.model_name, "choices": [], "usage": _usage(finals, prep.n)}
 
 
 def _choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
-    """Every completion of every prompt with its choice index (prompt i, sample j -> i*n+j)."""
-    return [(i * n + c.index, c) for i, out in enumerate(finals) for c in out.outputs]
+    """The first n completions of every prompt with their choice index (prompt i, sample j
+    -> i*n+j); beam search may hold more hypotheses (best_of), best first."""
+    return [(i * n + c.index, c) for i, out in enumerate(finals) for c in out.outputs[:n]]
 
 
-def _usage(finals: list[RequestOutput]) -> dict:
+def _usage(finals: list[RequestOutput], n: int) -> dict:
+    """Prompt tokens of every prompt (once, whatever n) and the tokens of every choice."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    completion = sum(len(c.token_ids) for _, c in _choices(finals, n))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
