@@ -61,9 +61,9 @@ def stream_gap(chunked: bool, budget: int | None, prompt_tokens: int = 4000) -> 
 
 
 def swap_vs_recompute() -> list[dict]:
-    rng = random.Random(0)
     results = []
     for mode in ("recompute", "swap"):
+        rng = random.Random(0)  # the same prompts in both modes, so their outputs compare
         llm = LLM(dtype="float32", block_size=16, max_model_len=1024, preemption_mode=mode,
                   swap_space=0.25, kv_cache_memory_bytes=48 * BLOCK_BYTES_FP32)
         prompts = [long_prompt(llm, rng.randint(60, 120)) for _ in range(8)]
