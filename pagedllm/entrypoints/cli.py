@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", conflict_handler="resolve",
-                           help="benchmark pagedllm and its peers (HF, llama.cpp) side by side")
+                           help="benchmark pagedllm and its peers (HF, llama.cpp) side by side; "
+                                "`pagedllm bench soak --help`: load and leak test of a server")
     from pagedllm.bench.main import add_bench_args
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
@@ -136,9 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if argv[:2] == ["bench", "soak"]:  # the soak test has its own options (a server, clients)
+        from pagedllm.bench.soak import main as soak_main
+        return soak_main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    args.argv = argv
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

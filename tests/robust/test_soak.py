@@ -68,6 +68,22 @@ def test_soak_64_clients_no_5xx_no_leaked_block(soak_server):
     assert blocks_used(soak_server.url) == 0
 
 
+def test_bench_soak_command_reports_and_exits_zero(soak_server, tmp_path):
+    """`pagedllm bench soak` as a user runs it, briefly, against the same server."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "soak",
+                           "--url", soak_server.url, "--server-pid", str(soak_server.proc.pid),
+                           "--duration", "3", "--clients", "4", "--max-tokens", "8",
+                           "--output-json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["server_errors"] == 0 and report["kv_blocks_used_after"] == 0, report
+    assert report["completed"] > 0, report
+
+
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=60).text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
