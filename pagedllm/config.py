@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton", "flash")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -25,7 +26,7 @@ class EngineConfig:
     model: str | None = _opt("GGUF file or HF directory (default: the bundled SmolLM2-135M-Instruct)",
                              default=None, cli=False)
     dtype: str = _opt("weights and activations dtype: auto (bfloat16 where the CPU has native "
-                      "bf16 matmuls, else float32), float32, bfloat16",
+                      "bf16 matmuls, else float32; on CUDA bfloat16), float32, bfloat16, float16",
                       default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = _opt("longest prompt + output in tokens (default: the model's)",
                                      default=None)
@@ -41,16 +42,33 @@ class EngineConfig:
     preemption_mode: str = _opt(
         "what a preempted sequence's KV becomes: recompute (freed, prefilled again) or swap "
         "(copied to --swap-space and back)", default="recompute", choices=["recompute", "swap"])
-    swap_space: float = _opt("swap space in GiB for preemption_mode swap (a memory-mapped file "
-                             "when the KV cache is on the CPU)", default=4.0)
+    swap_space: float = _opt("swap space in GiB for preemption_mode swap, summed over "
+                             "tensor-parallel ranks (a memory-mapped file per rank when the KV "
+                             "cache is on the CPU)", default=4.0)
     kv_cache_memory_bytes: int | None = _opt(
-        "KV-cache budget in bytes (overrides --kv-cache-memory-fraction)", default=None)
-    kv_cache_memory_fraction: float = _opt("KV-cache budget as a fraction of available RAM",
-                                           default=0.25)
-    tensor_parallel_size: int = _opt("number of tensor-parallel processes", default=1)
-    enforce_eager: bool = _opt("never compile the model (torch.compile)", default=False)
+        "KV-cache budget in bytes, summed over tensor-parallel ranks "
+        "(overrides --kv-cache-memory-fraction)", default=None)
+    kv_cache_memory_fraction: float = _opt(
+        "KV-cache budget as a fraction of available RAM (shared by the ranks on one machine) "
+        "or of each GPU's free memory", default=0.25)
+    tensor_parallel_size: int = _opt(
+        "tensor-parallel ranks: the engine spawns N-1 worker processes, or joins the group "
+        "torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT describe", default=1)
+    distributed_timeout_seconds: float = _opt(
+        "a tensor-parallel collective or rendezvous waiting longer than this fails the engine",
+        default=300.0)
+    device: str = _opt("where the model runs: auto (CUDA if available), cpu, cuda",
+                       default="auto", choices=["auto", "cpu", "cuda"])
+    attention_backend: str = _opt(
+        "attention kernels: auto (cpu_paged, else torch, on CPU; flash, else triton, on CUDA), "
+        "torch (torch_native), cpu_paged (C++), triton, flash (flash-attn)", default="auto",
+        choices=list(ATTENTION_BACKENDS))
+    enforce_eager: bool = _opt(
+        "never compile the model (torch.compile) nor capture CUDA graphs of decode", default=False)
     seed: int = _opt("seed of the sampler's shared random generator", default=0)
-    num_threads: int | None = _opt("torch intra-op threads (default: all cores)", default=None)
+    num_threads: int | None = _opt(
+        "torch intra-op threads per rank (default: the cores divided among the local ranks)",
+        default=None)
     check_invariants: bool | None = _opt(
         "verify KV block accounting before and after every step and stop the engine on a "
         f"violation; unset: on if ${CHECK_INVARIANTS_ENV}=1", default=None)
@@ -85,8 +103,14 @@ class EngineConfig:
         if (not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool)
                 or not 0 <= self.swap_space < 1024):
             raise ValueError(f"swap_space must be a number of GiB in [0, 1024), got {self.swap_space!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if not self.distributed_timeout_seconds > 0:
+            raise ValueError("distributed_timeout_seconds must be > 0, "
+                             f"got {self.distributed_timeout_seconds!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                             f"got {self.attention_backend!r}")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
                 and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
@@ -102,11 +126,20 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
                                            else max(8192, self.max_model_len))
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device "
+                             f"(torch {torch.__version__}); use device='cpu'")
+        if self.dtype == "auto":  # concrete from here on: spawned ranks get the same dtype
+            self.dtype = str(default_dtype(self.device)).removeprefix("torch.")
         self._validate()
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype] if self.dtype != "auto" else default_dtype()
+        if self.dtype == "auto":
+            return default_dtype("cuda" if self.device == "cuda" else "cpu")
+        return _DTYPES[self.dtype]
 
     # ---- CLI ----------------------------------------------------------------------------
 
@@ -143,13 +176,16 @@ def env_flag(name: str) -> bool:
     raise ValueError(f"environment variable {name}={value!r} is not a boolean (use 1 or 0)")
 
 
-def default_dtype() -> torch.dtype:
+def default_dtype(device: str = "cpu") -> torch.dtype:
     """bfloat16 on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else float32.
+    On CUDA bfloat16 where the GPU supports it, else float16.
 
     With native support bf16 measured faster here on every shape that matters (half the
     weight bytes per decode step, oneDNN's bf16 GEMMs for prefill); without it torch emulates
     bf16 and float32 is faster. float32 stays available (and is what the HF parity tests pin).
     """
+    if device == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     cpu = torch.cpu
     native_bf16 = any(getattr(cpu, probe, lambda: False)()
                       for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))

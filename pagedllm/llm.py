@@ -29,6 +29,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = count()
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes now (otherwise at interpreter exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

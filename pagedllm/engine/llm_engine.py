@@ -6,14 +6,17 @@ import time
 from dataclasses import dataclass, replace
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed import torchrun_env
 from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
 from pagedllm.engine.model_runner import ModelRunner, available_memory_bytes
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.workers import TensorParallelError, serve_worker_rank
 from pagedllm.loader import load_model_source
 from pagedllm.loader.validate import check_fits_in_memory
+from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -140,6 +143,11 @@ class LLMEngine:
                            config.max_model_len or source.config.max_position_embeddings))
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or source.config.eos_token_ids)
         check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(), source.path)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(source.config, config.tensor_parallel_size)
+            env = torchrun_env()
+            if env is not None and env.world_size > 1 and env.rank != 0:
+                serve_worker_rank(config, env)  # never returns: this rank only runs shards
         self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype))
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
@@ -294,6 +302,9 @@ class LLMEngine:
             if self.faults is not None:
                 self.faults.batch = batch.seqs
             sampled = self.model_runner.run(batch, self.eos_token_ids)
+        except TensorParallelError as e:  # a rank is gone: nothing can run any more
+            self.shutdown()
+            raise self._die(str(e)) from e
         except Exception as e:  # one bad batch must not take the engine down
             logger.exception("step failed for requests %s", [s.request_id for s in batch.seqs])
             outputs = self._fail(batch.seqs + batch.sampled_seqs, f"{type(e).__name__}: {e}")
@@ -497,6 +508,10 @@ class LLMEngine:
         out.extra["beam_scores"] = [score for _, score in hyps]
         return out
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank); idempotent."""
+        self.model_runner.shutdown()
+
     # ---- introspection ------------------------------------------------------------------------
 
     def kv_memory_report(self) -> str:
@@ -541,3 +556,18 @@ def _per_sample_params(sp: SamplingParams) -> list[SamplingParams]:
     if sp.n == 1:
         return [sp]
     return [replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
+
+
+def check_tensor_parallel(mc: ModelConfig, tp: int) -> None:
+    """Reject a tensor_parallel_size the model's shapes cannot be split by."""
+    problems = []
+    if mc.num_attention_heads % tp:
+        problems.append(f"num_attention_heads={mc.num_attention_heads} is not divisible by it")
+    kv = mc.num_key_value_heads
+    if kv % tp and tp % kv:
+        problems.append(f"num_key_value_heads={kv} neither divides it nor is divisible by it")
+    if mc.intermediate_size % tp:
+        problems.append(f"intermediate_size={mc.intermediate_size} is not divisible by it")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not fit {mc.name or mc.architecture}: "
+                         + "; ".join(problems))

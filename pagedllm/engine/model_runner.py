@@ -1,27 +1,40 @@
-"""ModelRunner: owns the model and the KV cache, turns scheduled sequences into tensors,
-runs the forward pass and samples (seeds 000 and 002)."""
+"""ModelRunner: owns the model shard and the KV cache of one rank, turns scheduled sequences
+into tensors, runs the forward pass and samples (seeds 000 and 002).
+
+With tensor parallelism rank 0's runner also starts the other ranks (engine/workers.py)
+and publishes each step's inputs to them; their runners only execute the model.
+"""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
+from dataclasses import fields
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
 
-from pagedllm.attention import cpu_paged, torch_native
 from pagedllm.attention.context import get_context, reset_context, set_context
+from pagedllm.attention.dispatch import load_backend, resolve_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.fault_injection import FaultInjector
+from pagedllm.distributed import (DistInfo, all_reduce_min, destroy_distributed, free_port,
+                                  get_store, init_distributed, torchrun_env)
 from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.swap import allocate_swap_tensor
+from pagedllm.engine.workers import (BlockMoves, StepChannel, StepInputs, TensorParallelError,
+                                     WorkerProcesses, acknowledge_exit, default_num_threads,
+                                     sigint_deferred)
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.registry import model_class
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def available_memory_bytes() -> int:
@@ -36,93 +49,203 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def attention_backend():
-    """The C++ paged-attention kernel when it builds, else the pure-PyTorch reference."""
-    return cpu_paged.attention if cpu_paged.is_available() else torch_native.attention
+def rank0_dist_info(tp: int) -> tuple[DistInfo, bool]:
+    """Rank 0's place in the group and whether it must spawn the other ranks itself
+    (not when torchrun or a similar launcher started every rank)."""
+    env = torchrun_env()
+    if env is not None and env.world_size > 1:
+        if env.world_size != tp:
+            raise ValueError(f"WORLD_SIZE={env.world_size} in the environment but "
+                             f"tensor_parallel_size={tp}; they must match")
+        return env, False
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    return DistInfo(0, tp, 0, tp, addr, port), True
 
 
 class ModelRunner:
     faults: FaultInjector | None = None  # test-only, see engine/fault_injection.py
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 weights: "object") -> None:
+                 weights: "object", dist_info: DistInfo | None = None) -> None:
+        """dist_info is given to ranks > 0; rank 0 works it out (and spawns the others)."""
         self.config = config
         self.model_config = model_config
         self.block_size = config.block_size
         self.dtype = config.torch_dtype
         self.generator = torch.Generator().manual_seed(config.seed)
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.world_size = config.tensor_parallel_size
+        self.workers: WorkerProcesses | None = None
+        self.rank = dist_info.rank if dist_info is not None else 0
+        self.broken = False
+        self._shut_down = False
+        info = dist_info or DistInfo(0, 1, 0, 1, "", 0)
+        if self.world_size > 1:
+            info = self._join_group(dist_info)
+        self.rank = info.rank
+        self.dist_info = info
+        torch.set_num_threads(config.num_threads or default_num_threads(info.local_world_size))
+        self.device = self._select_device(info)
+        self.graphs = None
+        try:
+            self._build_model(weights)
+            self.num_kvcache_blocks = self.allocate_kv_cache()
+            self.num_swap_blocks = self.allocate_swap_space()
+            if (self.device.type == "cuda" and not config.enforce_eager
+                    and self.attention_backend in ("triton", "flash")):
+                self.graphs = self._capture_decode_graphs()
+        except BaseException as e:
+            # A worker that died while loading shows up here as a failed collective.
+            error = (self.workers.failure(e, "start-up") if self.workers is not None
+                     and isinstance(e, RuntimeError) else None)
+            self.broken = True
+            self.shutdown()
+            if error is not None:
+                raise error from e
+            raise
 
+    def _join_group(self, dist_info: DistInfo | None) -> DistInfo:
+        cfg = self.config
+        spawn = False
+        if dist_info is None:
+            dist_info, spawn = rank0_dist_info(self.world_size)
+            self.workers = WorkerProcesses(cfg, dist_info, spawn)
+            atexit.register(self.shutdown)
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        check_alive = self.workers.check_alive if self.workers is not None else None
+        try:
+            init_distributed(dist_info, backend, cfg.distributed_timeout_seconds, check_alive)
+        except BaseException as e:
+            if self.workers is not None:
+                self.broken = True
+                self.shutdown()
+                if isinstance(e, TensorParallelError):
+                    raise
+                raise TensorParallelError(f"tensor-parallel rendezvous at {dist_info.master_addr}:"
+                                          f"{dist_info.master_port} failed: {e}") from e
+            raise
+        self.channel = StepChannel(get_store())
+        logger.info("tensor parallel: rank %d of %d joined (%s)", dist_info.rank,
+                    dist_info.world_size, backend)
+        return dist_info
+
+    def _select_device(self, info: DistInfo) -> torch.device:
+        if self.config.device != "cuda":
+            return torch.device("cpu")
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+        return device
+
+    def _capture_decode_graphs(self) -> "object":
+        from pagedllm.engine.cuda_graph import DecodeGraphs  # CUDA only
+        cfg, mc = self.config, self.model_config
+        return DecodeGraphs(self.model, cfg.max_num_seqs, -(-cfg.max_model_len // self.block_size),
+                            mc.hidden_size, self.device, self.dtype)
+
+    def _build_model(self, weights: "object") -> None:
+        mc = self.model_config
         t = time.perf_counter()
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            self.model = model_class(model_config)(model_config)
+            if self.device.type == "cpu":
+                self.model = model_class(mc)(mc)
+            else:
+                with self.device:
+                    self.model = model_class(mc)(mc)
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(weights)  # type: ignore[attr-defined]
         self.model.eval()
-        logger.info("loaded %s (%s, %d layers) in %.1f s", model_config.name or model_config.architecture,
-                    str(self.dtype).removeprefix("torch."), model_config.num_hidden_layers,
-                    time.perf_counter() - t)
-        self.num_kvcache_blocks = self.allocate_kv_cache()
-        self.num_swap_blocks = self.allocate_swap_space()
+        self.attention_backend = resolve_backend(self.config.attention_backend, self.device.type,
+                                                 self.block_size, self.dtype)
+        impl = load_backend(self.attention_backend).attention
+        for module in self.model.modules():
+            if hasattr(module, "k_cache") and hasattr(module, "impl"):
+                module.impl = impl
+        if self.rank == 0:
+            logger.info("loaded %s (%s, %d layers) in %.1f s; attention backend: %s",
+                        mc.name or mc.architecture, str(self.dtype).removeprefix("torch."),
+                        mc.num_hidden_layers, time.perf_counter() - t, self.attention_backend)
 
     # ---- KV cache -----------------------------------------------------------------------------
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank holds: its share, or one replica when there are fewer heads
+        than ranks."""
+        return max(1, self.model_config.num_key_value_heads // self.world_size)
+
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        return (2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads
+        return (2 * mc.num_hidden_layers * self.block_size * self.num_local_kv_heads
                 * mc.head_dim * self.dtype.itemsize)
 
-    def allocate_kv_cache(self) -> int:
-        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] within the budget."""
-        cfg, mc = self.config, self.model_config
+    def kv_budget(self) -> tuple[int, str]:
+        """This rank's KV-cache bytes: an explicit budget is split among the ranks, a
+        fraction of RAM among the ranks that share this machine."""
+        cfg, info = self.config, self.dist_info
         if cfg.kv_cache_memory_bytes is not None:
-            budget, source = cfg.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
-        else:
-            budget = int(available_memory_bytes() * cfg.kv_cache_memory_fraction)
-            source = f"{cfg.kv_cache_memory_fraction:.0%} of available RAM"
+            return cfg.kv_cache_memory_bytes // self.world_size, "--kv-cache-memory-bytes"
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * cfg.kv_cache_memory_fraction), \
+                f"{cfg.kv_cache_memory_fraction:.0%} of free GPU memory"
+        budget = int(available_memory_bytes() * cfg.kv_cache_memory_fraction)
+        return budget // info.local_world_size, f"{cfg.kv_cache_memory_fraction:.0%} of available RAM"
+
+    def allocate_kv_cache(self) -> int:
+        """One tensor [2, layers, blocks, block_size, local kv_heads, head_dim] within the
+        budget; every rank takes the smallest block count any rank can hold."""
+        cfg, mc = self.config, self.model_config
+        budget, source = self.kv_budget()
         block_bytes = self.kv_block_bytes()
         num_blocks = budget // block_bytes
         # More than every sequence at full length can use is wasted memory.
         blocks_per_seq = -(-cfg.max_model_len // self.block_size)
-        num_blocks = min(num_blocks, cfg.max_num_seqs * blocks_per_seq)
+        num_blocks = all_reduce_min(min(num_blocks, cfg.max_num_seqs * blocks_per_seq))
         if num_blocks < 1:
             raise ValueError(f"KV-cache budget of {budget} bytes ({source}) is smaller than one "
                              f"block of {block_bytes} bytes; raise the budget or lower block_size")
         # Zeroed, not empty: attention reads padded / masked slots too, and a NaN left in
         # uninitialised memory survives a zero softmax weight (0 * NaN = NaN).
         self.kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size,
-                                    mc.num_key_value_heads, mc.head_dim, dtype=self.dtype)
-        impl = attention_backend()
+                                    self.num_local_kv_heads, mc.head_dim, dtype=self.dtype,
+                                    device=self.device)
         layer = 0
         for module in self.model.modules():
             if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
                 module.k_cache = self.kv_cache[0, layer]
                 module.v_cache = self.kv_cache[1, layer]
-                module.impl = impl
                 layer += 1
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB (budget: %s)",
-                    num_blocks, self.block_size, num_blocks * self.block_size,
-                    num_blocks * block_bytes / 2**20, source)
+        if self.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s (budget: %s)",
+                        num_blocks, self.block_size, num_blocks * self.block_size,
+                        num_blocks * block_bytes / 2**20,
+                        " per rank" if self.world_size > 1 else "", source)
         return num_blocks
 
     def allocate_swap_space(self) -> int:
-        """The second-tier pool for swap preemption (engine/swap.py); none for recompute."""
+        """The second-tier pool for swap preemption (engine/swap.py); none for recompute.
+        With tensor parallelism each rank holds its share of swap_space for its KV shard
+        (its own memory-mapped file); the block count is the same on every rank, as
+        config and block size are."""
         cfg = self.config
         if cfg.preemption_mode != "swap":
             self.swap_cache = None
             return 0
-        num_blocks = int(cfg.swap_space * 2**30) // self.kv_block_bytes()
+        block_bytes = self.kv_block_bytes()
+        num_blocks = int(cfg.swap_space * 2**30) // self.world_size // block_bytes
         if num_blocks < 1:
             raise ValueError(f"swap_space of {cfg.swap_space} GiB is smaller than one KV block "
-                             f"({self.kv_block_bytes()} bytes)")
+                             f"({block_bytes * self.world_size} bytes)")
         shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
         self.swap_cache = allocate_swap_tensor(shape, self.dtype, self.kv_cache.device)
         where = "memory-mapped file" if self.kv_cache.device.type == "cpu" else "host memory"
-        logger.info("swap space: %d blocks, %.1f MiB (%s)", num_blocks,
-                    num_blocks * self.kv_block_bytes() / 2**20, where)
+        if self.rank == 0:
+            logger.info("swap space: %d blocks, %.1f MiB%s (%s)", num_blocks,
+                        num_blocks * block_bytes / 2**20,
+                        " per rank" if self.world_size > 1 else "", where)
         return num_blocks
 
     # ---- input preparation ----------------------------------------------------------------
@@ -225,19 +348,32 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def move_blocks(self, batch: ScheduledBatch) -> None:
+    def move_blocks(self, batch: ScheduledBatch | BlockMoves) -> None:
         """Before the forward pass: swap out, swap in, then copy on write (whole blocks,
-        every layer, K and V). Out first: a block freed by a swap-out may be reused below."""
-        if batch.blocks_to_swap_out:
+        every layer, K and V). Out first: a block freed by a swap-out may be reused below.
+        With tensor parallelism rank 0 first tells the other ranks to move the same blocks
+        of their shards."""
+        if self.world_size > 1 and self.rank == 0:
+            moves = BlockMoves(batch.blocks_to_swap_out, batch.blocks_to_swap_in,
+                               batch.blocks_to_copy)
+            def step() -> None:
+                self.channel.publish(moves)
+                self._move_blocks(moves)
+            self._in_step(step)
+        else:
+            self._move_blocks(batch)
+
+    def _move_blocks(self, moves: ScheduledBatch | BlockMoves) -> None:
+        if moves.blocks_to_swap_out:
             assert self.swap_cache is not None
-            src, dst = _ids(batch.blocks_to_swap_out)
+            src, dst = _ids(moves.blocks_to_swap_out)
             self.swap_cache[:, :, dst] = self.kv_cache[:, :, src].to(self.swap_cache.device)
-        if batch.blocks_to_swap_in:
+        if moves.blocks_to_swap_in:
             assert self.swap_cache is not None
-            src, dst = _ids(batch.blocks_to_swap_in)
+            src, dst = _ids(moves.blocks_to_swap_in)
             self.kv_cache[:, :, dst] = self.swap_cache[:, :, src].to(self.kv_cache.device)
-        if batch.blocks_to_copy:
-            src, dst = _ids(batch.blocks_to_copy)
+        if moves.blocks_to_copy:
+            src, dst = _ids(moves.blocks_to_copy)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
@@ -246,14 +382,16 @@ class ModelRunner:
         batch.samplers entry. move_blocks(batch) must have run first."""
         input_ids, positions = self.prepare_inputs(batch.seqs, batch.num_new_tokens)
         try:
-            hidden = self.model(input_ids, positions)
-            if not batch.samplers:
-                return SamplerOutput([])
-            last = get_context().cu_seqlens_q[1:] - 1  # each row's last token
-            rows = torch.tensor([row for _, row in batch.samplers])
-            logits = self.model.compute_logits(hidden[last[rows]])  # type: ignore[attr-defined]
+            if self.world_size > 1:
+                logits = self._run_parallel(input_ids, positions, batch)
+            else:
+                logits = self.execute_model(input_ids, positions, _logit_rows(batch))
         finally:
             reset_context()
+        if logits is None:  # nothing to sample (every row is a prompt chunk)
+            return SamplerOutput([])
+        if self.device.type != "cpu":  # the sampler and its generators live on the host
+            logits = logits.cpu()
         self.beam_logprobs(batch, logits)
         sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids)
         if self.faults is not None:
@@ -271,6 +409,110 @@ class ModelRunner:
             logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
             for i, lp in zip(rows, logprobs):
                 batch.samplers[i][0].beam_logprobs = lp
+
+    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      logit_rows: torch.Tensor) -> torch.Tensor | None:
+        """Forward pass of this rank under the current Context; logits of the tokens
+        logit_rows indexes (None when it is empty, and on ranks > 0, which only contribute
+        their shard of the vocabulary)."""
+        if self.device.type != "cpu":
+            input_ids, positions = self._to_device(input_ids, positions)
+        ctx = get_context()
+        if (self.graphs is not None and not ctx.is_prefill
+                and input_ids.numel() <= self.graphs.max_batch_size):
+            hidden = self.graphs.run(input_ids, positions, ctx)
+        else:
+            hidden = self.model(input_ids, positions)
+        if not logit_rows.numel():
+            return None
+        hidden = hidden[logit_rows.to(hidden.device)]
+        return self.model.compute_logits(hidden)  # type: ignore[attr-defined]
+
+    def _to_device(self, input_ids: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = get_context()
+        moved = {f.name: getattr(ctx, f.name) for f in fields(ctx)}
+        set_context(**{k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor)
+                           else v) for k, v in moved.items()})
+        return (input_ids.to(self.device, non_blocking=True),
+                positions.to(self.device, non_blocking=True))
+
+    # ---- tensor parallelism -------------------------------------------------------------------
+
+    def _run_parallel(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      batch: ScheduledBatch) -> torch.Tensor | None:
+        """Rank 0: publish the step, run its shard with the others, get the gathered logits."""
+        def step() -> torch.Tensor | None:
+            logit_rows = _logit_rows(batch)
+            self.channel.publish(StepInputs(input_ids, positions, get_context(), logit_rows))
+            return self.execute_model(input_ids, positions, logit_rows)
+        return self._in_step(step)
+
+    def _in_step(self, fn: Callable[[], _T]) -> _T:
+        """Rank 0: run fn, which publishes a step and takes part in it. Any failure here
+        leaves the ranks out of step, so it is fatal."""
+        if self.broken:
+            raise TensorParallelError("a previous tensor-parallel step failed; restart the engine")
+        if self.workers is not None:
+            self.workers.check_alive()
+        with sigint_deferred():
+            try:
+                return fn()
+            except Exception as e:
+                self.broken = True
+                raise (self.workers.failure(e) if self.workers is not None
+                       else TensorParallelError(f"tensor-parallel step failed: {e}")) from e
+
+    @torch.inference_mode()
+    def worker_loop(self) -> None:
+        """Ranks > 0: run every step rank 0 publishes until it says EXIT."""
+        try:
+            while (step := self.channel.receive()) is not None:
+                if isinstance(step, BlockMoves):
+                    self._move_blocks(step)
+                    continue
+                set_context(**vars(step.context))
+                try:
+                    self.execute_model(step.input_ids, step.positions, step.logit_rows)
+                finally:
+                    reset_context()
+            acknowledge_exit(self.channel.store, self.rank)
+        except Exception as e:
+            logger.error("rank %d: lost the tensor-parallel group (%s: %s); exiting",
+                         self.rank, type(e).__name__, e)
+            raise SystemExit(1) from None
+        finally:
+            destroy_distributed()
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the workers to exit and reap them (terminate any that hang).
+        Idempotent; also runs at interpreter exit."""
+        if self._shut_down or self.world_size == 1 or self.rank != 0:
+            return
+        self._shut_down = True
+        workers = self.workers
+        graceful = not self.broken and workers is not None and not workers.dead()
+        if graceful and hasattr(self, "channel"):
+            try:
+                self.channel.publish(None)
+            except Exception as e:  # the store is gone: nothing more to say to anyone
+                logger.warning("could not tell the workers to exit: %s", e)
+                graceful = False
+        if workers is not None:
+            if workers.procs:
+                workers.join(10.0 if graceful else 0.0)
+            elif graceful and hasattr(self, "channel"):
+                workers.wait_for_acks(self.channel.store, 10.0)
+        destroy_distributed()
+        atexit.unregister(self.shutdown)
+        logger.info("tensor parallel: workers stopped")
+
+
+def _logit_rows(batch: ScheduledBatch) -> torch.Tensor:
+    """Index of the token whose logits each batch.samplers entry samples from (a row's last
+    token; a row sampled by several forks appears once per fork). Needs the Context."""
+    last = get_context().cu_seqlens_q[1:] - 1
+    return last[torch.tensor([row for _, row in batch.samplers], dtype=torch.int64)]
 
 
 def _ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,8 @@
 """The Attention layer: stores the new K/V into the paged cache and attends through it.
 
-The kernels come from a backend (attention/); the ModelRunner binds `impl` to the
-backend's attention function, and k_cache and v_cache to views into the engine's single
-KV tensor after it allocates the cache.
+The kernels come from a backend (attention/, chosen by attention/dispatch.py); the
+ModelRunner binds `impl` to the backend's attention function, and k_cache and v_cache to
+views into the engine's single KV tensor after it allocates the cache.
 """
 from __future__ import annotations
 

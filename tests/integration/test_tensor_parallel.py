@@ -1,0 +1,250 @@
+"""Tensor parallelism over torch.distributed (gloo): greedy tokens identical to one rank,
+real worker processes that all go away, and a dead worker failing the engine loudly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.errors import EngineDeadError
+from pagedllm.loader import load_model_source
+
+PROMPTS = ["Hello, my name is", "The quick brown fox", "def add(a, b):", "你好，世界",
+           "Once upon a time, in a small village by the sea,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_qwen3_dir(path: Path, num_kv_heads: int) -> Path:
+    """A small random Qwen3 (4 heads) saved by transformers as an HF directory."""
+    import transformers
+    tokenizer = load_model_source(None).tokenizer
+    tokenizer.save_pretrained(str(path))
+    torch.manual_seed(1)
+    config = transformers.Qwen3Config(
+        vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+        head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=2, bos_token_id=1)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return make_qwen3_dir(tmp_path_factory.mktemp("tp-qwen3-kv2"), num_kv_heads=2)
+
+
+def generate_ids(model: str, tp: int, prompts: list[str] = PROMPTS, **kw
+                 ) -> tuple[list[list[int]], list[int]]:
+    """Greedy token ids of the prompts, and the worker pids the engine had."""
+    with LLM(model, dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+             tensor_parallel_size=tp, check_invariants=True, **kw) as llm:
+        workers = llm.engine.model_runner.workers
+        pids = workers.pids if workers is not None else []
+        assert len(pids) == tp - 1
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.token_ids for o in outs], pids
+
+
+def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
+    """Every pid has exited (zombies are reaped by their parent; count them as gone)."""
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes left behind: {alive}")
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp1(qwen3_dir) -> list[list[int]]:
+    return generate_ids(str(qwen3_dir), 1)[0]
+
+
+def test_tp2_qwen3_greedy_equals_tp1(qwen3_dir, qwen3_tp1):
+    got, pids = generate_ids(str(qwen3_dir), 2)
+    assert got == qwen3_tp1
+    assert_gone(pids, timeout=0.5)   # shutdown() joined them
+    assert psutil.Process().children() == [] or all(
+        "resource_tracker" in " ".join(c.cmdline()) for c in psutil.Process().children())
+
+
+def test_tp2_with_replicated_kv_head_equals_tp1(tmp_path):
+    """One KV head, two ranks: both ranks hold a copy of it."""
+    model = str(make_qwen3_dir(tmp_path, num_kv_heads=1))
+    ref, _ = generate_ids(model, 1)
+    got, pids = generate_ids(model, 2, enable_prefix_caching=False)
+    assert got == ref
+    assert_gone(pids, timeout=0.5)
+
+
+def test_tp3_smollm2_greedy_equals_tp1(gguf_path):
+    """The bundled SmolLM2: 9 heads, 3 KV heads, vocabulary 49152, split over 3 ranks."""
+    prompts = PROMPTS[2:]  # 30 layers over 3 processes on 2 cores: keep it short
+    ref, _ = generate_ids(str(gguf_path), 1, prompts)
+    got, pids = generate_ids(str(gguf_path), 3, prompts)
+    assert got == ref
+    assert_gone(pids, timeout=0.5)
+
+
+TORCHRUN_SCRIPT = """
+import json, os, sys
+from pagedllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+              tensor_parallel_size=2, check_invariants=True)
+    assert os.environ["RANK"] == "0"   # the other rank never returns from LLM(...)
+    outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(**json.loads(sys.argv[3])),
+                        use_tqdm=False)
+    print("TOKENS", json.dumps([o.token_ids for o in outs]), flush=True)
+"""
+
+
+def test_ranks_started_by_hand_with_torchrun_variables_equal_tp1(tmp_path, qwen3_dir, qwen3_tp1):
+    """RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set per process, as on two machines."""
+    from pagedllm.distributed import free_port
+    script = tmp_path / "ranked.py"
+    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+    sp = {"temperature": 0, "max_tokens": GREEDY.max_tokens, "ignore_eos": True}
+    args = [sys.executable, str(script), str(qwen3_dir), json.dumps(PROMPTS), json.dumps(sp)]
+    base = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDLLM_LOGGING_LEVEL": "WARNING",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen(args, env={**base, "RANK": str(r), "LOCAL_RANK": "0",
+                                         "LOCAL_WORLD_SIZE": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (1, 0)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    line = next(l for l in outs[1].splitlines() if l.startswith("TOKENS"))
+    assert json.loads(line.removeprefix("TOKENS")) == qwen3_tp1
+    assert "TOKENS" not in outs[0]
+
+
+def test_tp_size_that_does_not_divide_the_heads_is_rejected(gguf_path):
+    with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible"):
+        LLM(str(gguf_path), tensor_parallel_size=2)
+    assert psutil.Process().children() == [] or all(
+        "resource_tracker" in " ".join(c.cmdline()) for c in psutil.Process().children())
+
+
+# ---- real processes: exits, signals, dead workers -----------------------------------------
+
+SCRIPT = """
+import os, signal, sys, time
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.errors import EngineDeadError
+
+if __name__ == "__main__":
+    mode = sys.argv[2]
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+              tensor_parallel_size=2, distributed_timeout_seconds=float(sys.argv[3]))
+    engine = llm.engine
+    worker = engine.model_runner.workers.procs[0]
+    print("PIDS", os.getpid(), worker.pid, flush=True)
+    sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(str(i), "Once upon a time " * (i + 1), sp)
+    for _ in range(3):
+        engine.step()
+    print("STEPPING", flush=True)
+    if mode in ("kill", "stop"):
+        os.kill(worker.pid, signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+    t = time.monotonic()
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    except EngineDeadError as e:
+        print(f"ERROR after {time.monotonic() - t:.1f}s: {e}", flush=True)
+        sys.exit(3)
+    print("FINISHED", flush=True)
+"""
+
+
+def run_script(tmp_path: Path, model: Path, mode: str, timeout_s: float = 300.0,
+               on_stepping=None, wait_s: float = 120) -> tuple[int, str, list[int]]:
+    """Run SCRIPT in its own session; return its exit code, output and [rank0, worker] pids."""
+    script = tmp_path / "tp_script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, str(script), str(model), mode, str(timeout_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines: list[str] = []
+    pids: list[int] = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("PIDS"):
+                pids = [int(x) for x in line.split()[1:]]
+            if line.startswith("STEPPING") and on_stepping is not None:
+                on_stepping(proc)
+        code = proc.wait(timeout=wait_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return code, "".join(lines), pids
+
+
+def test_worker_killed_mid_run_fails_the_engine_with_a_clear_error(tmp_path, qwen3_dir):
+    code, out, pids = run_script(tmp_path, qwen3_dir, "kill")
+    assert code == 3, out
+    assert "tensor-parallel worker died: rank 1" in out or "worker died: rank 1" in out, out
+    assert "exited with code -9" in out, out
+    assert_gone(pids)
+
+
+def test_hung_worker_times_out_instead_of_hanging(tmp_path, qwen3_dir):
+    code, out, pids = run_script(tmp_path, qwen3_dir, "stop", timeout_s=5.0)
+    assert code == 3, out
+    assert "tensor-parallel step failed, the engine cannot continue" in out, out
+    assert_gone(pids)
+
+
+def test_ctrl_c_stops_every_process(tmp_path, qwen3_dir):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it."""
+    code, out, pids = run_script(
+        tmp_path, qwen3_dir, "run",
+        on_stepping=lambda proc: (time.sleep(0.5), os.killpg(proc.pid, signal.SIGINT)))
+    assert "KeyboardInterrupt" in out and "FINISHED" not in out, out
+    assert code != 0
+    assert_gone(pids)
+
+
+def test_normal_exit_without_shutdown_leaves_no_process(tmp_path, qwen3_dir):
+    code, out, pids = run_script(tmp_path, qwen3_dir, "run")
+    assert code == 0 and "FINISHED" in out, out
+    assert_gone(pids)
+
+
+def test_rank0_killed_takes_its_workers_along(tmp_path, qwen3_dir):
+    code, out, pids = run_script(
+        tmp_path, qwen3_dir, "run",
+        on_stepping=lambda proc: os.kill(proc.pid, signal.SIGKILL))
+    assert code == -signal.SIGKILL, out
+    assert_gone(pids)
