@@ -2,7 +2,7 @@
 
 One process is rank 0 of 1 and never touches torch.distributed. With N ranks, every rank
 joins one torch.distributed group (gloo on CPU, NCCL on CUDA) through a TCPStore hosted by
-rank 0; the store also carries rank 0's step descriptions to the others (engine/workers.py).
+rank 0; the store also carries rank 0's step descriptions to the others (engine/workers.py) and the start-up handshakes.
 The layers read get_tp_rank() / get_tp_size() when they are built, so set_tp comes first.
 """
 from __future__ import annotations
@@ -41,12 +41,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_min(value: int) -> int:
-    """The smallest of every rank's value (e.g. the KV blocks all ranks can hold)."""
+    """The smallest of every rank's value (e.g. the KV blocks all ranks can hold).
+
+    Exchanged through the store, not a collective: ranks finish loading the model at
+    different times, and start-up must not be bounded by the (short) collective timeout."""
     if _TP_SIZE == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL_GROUP)
-    return int(t.item())
+    store = get_store()
+    store.set(_MIN.format(_TP_RANK), str(value))
+    keys = [_MIN.format(r) for r in range(_TP_SIZE)]
+    _wait_keys(store, keys, _STARTUP_TIMEOUT_S, _CHECK_ALIVE)
+    return min(int(store.get(k)) for k in keys)
 
 
 # ---- rendezvous ---------------------------------------------------------------------------
@@ -84,45 +89,51 @@ def torchrun_env() -> DistInfo | None:
 
 
 _HELLO = "pagedllm/hello/{}"
+_MIN = "pagedllm/min/{}"
+# Start-up (imports, weight loading on every rank) may take longer than a collective may
+# wait; rank 0 polls the workers' liveness meanwhile, so a dead one still fails at once.
+STARTUP_TIMEOUT_S = 600.0
+_STARTUP_TIMEOUT_S = STARTUP_TIMEOUT_S
+_CHECK_ALIVE: Callable[[], None] | None = None
 _STORE: dist.TCPStore | None = None
-_CONTROL_GROUP: dist.ProcessGroup | None = None
 
 
-def _wait_for_ranks(store: dist.TCPStore, world_size: int, timeout_s: float,
-                    check_alive: Callable[[], None]) -> None:
-    """Rank 0: wait until every rank has reached the store, calling check_alive between
+def _wait_keys(store: dist.TCPStore, keys: list[str], timeout_s: float,
+               check_alive: Callable[[], None] | None) -> None:
+    """Wait for every key, calling check_alive (rank 0: are the workers alive?) between
     short waits, so a worker that dies while starting fails the engine at once."""
-    keys = [_HELLO.format(r) for r in range(1, world_size)]
     deadline = time.monotonic() + timeout_s
     while True:
-        check_alive()
+        if check_alive is not None:
+            check_alive()
         try:
             store.wait(keys, timedelta(seconds=0.5))
             return
         except dist.DistStoreError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not every tensor-parallel rank reached the rendezvous "
-                                   f"within {timeout_s:.0f} s") from None
+                raise TimeoutError(f"not every tensor-parallel rank reached the start-up step "
+                                   f"{keys[0].rsplit('/', 1)[0]} within {timeout_s:.0f} s") from None
 
 
 def init_distributed(info: DistInfo, backend: str, timeout_s: float,
                      check_alive: Callable[[], None] | None = None) -> dist.TCPStore:
     """Join the group. Collectives that wait longer than timeout_s raise instead of hanging."""
-    global _STORE, _CONTROL_GROUP
+    global _STORE, _STARTUP_TIMEOUT_S, _CHECK_ALIVE
     timeout = timedelta(seconds=timeout_s)
     # torchrun's agent already serves a store on MASTER_PORT; then every rank is a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
                           is_master=info.rank == 0 and not agent_store, timeout=timeout,
                           wait_for_workers=False)
+    _STARTUP_TIMEOUT_S = max(timeout_s, STARTUP_TIMEOUT_S)
+    _CHECK_ALIVE = check_alive
     if info.rank > 0:
         store.set(_HELLO.format(info.rank), b"1")
-    elif check_alive is not None:
-        _wait_for_ranks(store, info.world_size, timeout_s, check_alive)
+    else:
+        _wait_keys(store, [_HELLO.format(r) for r in range(1, info.world_size)],
+                   _STARTUP_TIMEOUT_S, check_alive)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout)
-    # Control traffic (block-count agreement) stays on CPU even when the model uses NCCL.
-    _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     _STORE = store
     set_tp(info.rank, info.world_size)
     return store
@@ -134,8 +145,8 @@ def get_store() -> dist.TCPStore:
 
 
 def destroy_distributed() -> None:
-    global _STORE, _CONTROL_GROUP
+    global _STORE, _CHECK_ALIVE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _STORE = _CONTROL_GROUP = None
+    _STORE = _CHECK_ALIVE = None
     set_tp(0, 1)
