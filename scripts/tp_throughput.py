@@ -22,9 +22,11 @@ def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
              rng.randint(32, 256)) for _ in range(n)]
 
 
-def run_one(model: str | None, tp: int, n: int, seed: int, dtype: str) -> dict:
+def run_one(model: str | None, tp: int, n: int, seed: int, dtype: str,
+            num_threads: int | None) -> dict:
     from pagedllm import LLM, SamplingParams
-    with LLM(model, dtype=dtype, tensor_parallel_size=tp, max_model_len=1024) as llm:
+    with LLM(model, dtype=dtype, tensor_parallel_size=tp, max_model_len=1024,
+             num_threads=num_threads) as llm:
         requests = workload(n, seed, llm.engine.model_config.vocab_size)
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
                   for _, m in requests]
@@ -33,7 +35,8 @@ def run_one(model: str | None, tp: int, n: int, seed: int, dtype: str) -> dict:
         seconds = time.perf_counter() - t
     prompt = sum(len(p) for p, _ in requests)
     output = sum(len(o.token_ids) for o in outs)
-    return {"tp": tp, "seconds": seconds, "prompt_tokens": prompt, "output_tokens": output,
+    return {"tp": tp, "num_threads": num_threads, "seconds": seconds,
+            "prompt_tokens": prompt, "output_tokens": output,
             "output_tok_s": output / seconds, "total_tok_s": (prompt + output) / seconds}
 
 
@@ -44,12 +47,14 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="threads per rank (default: the cores divided among the ranks)")
     ap.add_argument("--json", default="tp_throughput.json")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
         print("RESULT", json.dumps(run_one(args.model, args.one, args.num_prompts, args.seed,
-                                           args.dtype)), flush=True)
+                                           args.dtype, args.num_threads)), flush=True)
         return
     results = []
     for tp in args.tp:
@@ -57,6 +62,8 @@ def main() -> None:
                str(args.num_prompts), "--seed", str(args.seed), "--dtype", args.dtype]
         if args.model:
             cmd += ["--model", args.model]
+        if args.num_threads:
+            cmd += ["--num-threads", str(args.num_threads)]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
         results.append(json.loads(out.split("RESULT", 1)[1]))
     print(f"{'tp':>3} {'seconds':>9} {'out tok/s':>10} {'total tok/s':>12}")
