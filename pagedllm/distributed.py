@@ -41,17 +41,22 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_min(value: int) -> int:
-    """The smallest of every rank's value (e.g. the KV blocks all ranks can hold).
+    """The smallest of every rank's value (e.g. the KV blocks all ranks can hold)."""
+    return min(int(v) for v in all_gather_str("min", str(value)))
+
+
+def all_gather_str(name: str, value: str) -> list[str]:
+    """Every rank's value for `name`, in rank order.
 
     Exchanged through the store, not a collective: ranks finish loading the model at
     different times, and start-up must not be bounded by the (short) collective timeout."""
     if _TP_SIZE == 1:
-        return value
+        return [value]
     store = get_store()
-    store.set(_MIN.format(_TP_RANK), str(value))
-    keys = [_MIN.format(r) for r in range(_TP_SIZE)]
+    store.set(_GATHER.format(name, _TP_RANK), value)
+    keys = [_GATHER.format(name, r) for r in range(_TP_SIZE)]
     _wait_keys(store, keys, _STARTUP_TIMEOUT_S, _CHECK_ALIVE)
-    return min(int(store.get(k)) for k in keys)
+    return [store.get(k).decode() for k in keys]
 
 
 # ---- rendezvous ---------------------------------------------------------------------------
@@ -89,7 +94,7 @@ def torchrun_env() -> DistInfo | None:
 
 
 _HELLO = "pagedllm/hello/{}"
-_MIN = "pagedllm/min/{}"
+_GATHER = "pagedllm/gather/{}/{}"
 # Start-up (imports, weight loading on every rank) may take longer than a collective may
 # wait; rank 0 polls the workers' liveness meanwhile, so a dead one still fails at once.
 STARTUP_TIMEOUT_S = 600.0

@@ -3,6 +3,9 @@
 It loads and runs in milliseconds, so tests that only need *an* engine (invariant
 violations, fault paths) or a valid file to mutate (loader fuzzing) do not pay for the
 bundled 135M model. Its outputs are meaningless; never compare them with anything.
+
+make_qwen3_dir: a small random Qwen3 saved by transformers as an HF directory, for tests
+that compare one engine setting with another (tensor parallelism, attention backends).
 """
 from __future__ import annotations
 
@@ -75,4 +78,27 @@ def write_tiny_llama_gguf(path: str | Path, seed: int = 0) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def make_qwen3_dir(path: Path, num_kv_heads: int) -> Path:
+    """A small random Qwen3 (4 heads) saved by transformers as an HF directory."""
+    import torch
+    import transformers
+
+    from pagedllm.loader import load_model_source
+    tokenizer = load_model_source(None).tokenizer
+    tokenizer.save_pretrained(str(path))
+    torch.manual_seed(1)
+    config = transformers.Qwen3Config(
+        vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+        head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=2, bos_token_id=1)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
     return path

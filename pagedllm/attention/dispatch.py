@@ -66,7 +66,8 @@ def resolve_backend(name: str, device: str, block_size: int, dtype: torch.dtype)
     """The concrete backend for a config value; raises ValueError naming what is missing."""
     if name == "auto":
         if device != "cuda":
-            return "torch" if backend_problems("cpu_paged", device, block_size, dtype) else "cpu_paged"
+            cpu_paged_fails = backend_problems("cpu_paged", device, block_size, dtype)
+            return "torch" if cpu_paged_fails else "cpu_paged"
         for candidate in ("flash", "triton"):
             if not backend_problems(candidate, device, block_size, dtype):
                 return candidate

@@ -103,10 +103,13 @@ class AsyncLLM:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop after the current step; in-flight requests end with an error."""
+        """Stop the loop after the current step; in-flight requests end with an error and
+        tensor-parallel workers exit."""
         if self._thread.is_alive():
             self._commands.put(_Stop())
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # never started, or done (then this is a no-op)
+            self.engine.shutdown()
 
     @property
     def is_alive(self) -> bool:
@@ -198,6 +201,8 @@ class AsyncLLM:
             logger.exception("engine loop died")
             error = e
         self._die(error)
+        # The thread that ran the steps also stops the tensor-parallel workers (no-op at TP=1).
+        self.engine.shutdown()
 
     def _step(self) -> None:
         outputs = self.engine.step()

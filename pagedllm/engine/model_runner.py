@@ -19,9 +19,9 @@ import torch
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.attention.dispatch import load_backend, resolve_backend
 from pagedllm.config import EngineConfig
+from pagedllm.distributed import (DistInfo, all_gather_str, all_reduce_min, destroy_distributed,
+                                  free_port, get_store, init_distributed, torchrun_env)
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.distributed import (DistInfo, all_reduce_min, destroy_distributed, free_port,
-                                  get_store, init_distributed, torchrun_env)
 from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.swap import allocate_swap_tensor
@@ -88,6 +88,8 @@ class ModelRunner:
         self.device = self._select_device(info)
         self.graphs = None
         try:
+            if self.world_size > 1:
+                self._check_same_dtype()
             self._build_model(weights)
             self.num_kvcache_blocks = self.allocate_kv_cache()
             self.num_swap_blocks = self.allocate_swap_space()
@@ -128,6 +130,14 @@ class ModelRunner:
         logger.info("tensor parallel: rank %d of %d joined (%s)", dist_info.rank,
                     dist_info.world_size, backend)
         return dist_info
+
+    def _check_same_dtype(self) -> None:
+        """Spawned ranks get rank 0's resolved dtype; ranks started separately (torchrun)
+        resolve dtype='auto' each for its own CPU, and must not disagree."""
+        dtypes = all_gather_str("dtype", str(self.dtype).removeprefix("torch."))
+        if len(set(dtypes)) > 1:
+            raise ValueError(f"tensor-parallel ranks chose different dtypes {dtypes} (in rank "
+                             "order); pass --dtype explicitly")
 
     def _select_device(self, info: DistInfo) -> torch.device:
         if self.config.device != "cuda":

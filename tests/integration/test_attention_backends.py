@@ -1,6 +1,7 @@
-"""The engine through each attention backend this machine can run: the CPU path imports no
-GPU package, and the Triton backend (in the Triton interpreter) gives the same greedy
-tokens as the PyTorch backend on a random Qwen3."""
+"""The engine through each attention backend this machine can run: the CPU path (the C++
+cpu_paged kernel by default, torch_native by choice) imports no GPU package, and the
+Triton backend (in the Triton interpreter) gives the same greedy tokens as both on a
+random Qwen3."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from test_tensor_parallel import make_qwen3_dir  # same directory (pytest prepends it)
+from tiny_models import make_qwen3_dir  # tests/ (pytest prepends the rootdir)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,6 +24,10 @@ if __name__ == "__main__":
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     result = {}
     llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_bytes=8 * 2**20)
+    assert llm.engine.model_runner.attention_backend == "cpu_paged"
+    result["cpu_paged"] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_bytes=8 * 2**20,
+              attention_backend="torch")
     result["torch"] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     result["gpu_modules_on_cpu_path"] = sorted(
         m for m in sys.modules if m.split(".")[0] in ("triton", "flash_attn")
@@ -41,7 +46,7 @@ if __name__ == "__main__":
 """
 
 
-def test_cpu_path_imports_no_gpu_code_and_triton_matches_torch(tmp_path):
+def test_cpu_path_imports_no_gpu_code_and_every_backend_gives_the_same_tokens(tmp_path):
     model = make_qwen3_dir(tmp_path / "qwen3", num_kv_heads=2)
     script = tmp_path / "backends.py"
     script.write_text(textwrap.dedent(SCRIPT))
@@ -53,6 +58,7 @@ def test_cpu_path_imports_no_gpu_code_and_triton_matches_torch(tmp_path):
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     result = json.loads(line.removeprefix("RESULT"))
     assert result["gpu_modules_on_cpu_path"] == []
+    assert result["cpu_paged"] == result["torch"]
     assert result["triton"] == result["torch"]
     first, again, cached = result["prefix_hit"]
     assert cached >= 16 and again == first

@@ -35,6 +35,14 @@ def test_default_dtype_follows_the_cpu():
     assert EngineConfig().torch_dtype == (torch.bfloat16 if native else torch.float32)
 
 
+def test_auto_dtype_is_resolved_once_for_every_tensor_parallel_rank():
+    """resolve() makes 'auto' concrete before rank 0 hands the config to spawned ranks."""
+    config = EngineConfig(tensor_parallel_size=2)
+    config.resolve(512)
+    assert config.dtype != "auto"
+    assert config.torch_dtype == EngineConfig().torch_dtype
+
+
 def test_bf16_chat_answers_paris(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]

@@ -13,36 +13,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.errors import EngineDeadError
-from pagedllm.loader import load_model_source
+from tiny_models import make_qwen3_dir  # tests/ (pytest prepends the rootdir)
 
 PROMPTS = ["Hello, my name is", "The quick brown fox", "def add(a, b):", "你好，世界",
            "Once upon a time, in a small village by the sea,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[2]
-
-
-def make_qwen3_dir(path: Path, num_kv_heads: int) -> Path:
-    """A small random Qwen3 (4 heads) saved by transformers as an HF directory."""
-    import transformers
-    tokenizer = load_model_source(None).tokenizer
-    tokenizer.save_pretrained(str(path))
-    torch.manual_seed(1)
-    config = transformers.Qwen3Config(
-        vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=num_kv_heads,
-        head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=2, bos_token_id=1)
-    model = transformers.Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -101,5 +101,9 @@ def test_dispatch_names_what_a_backend_lacks():
         resolve_backend("triton", "cpu", 8, torch.float32)
     with pytest.raises(ValueError, match="device='cuda'.*multiple of 256.*float16"):
         resolve_backend("flash", "cpu", 16, torch.float32)
-    assert resolve_backend("auto", "cpu", 16, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="cpu_paged kernel is CPU-only"):
+        resolve_backend("cpu_paged", "cuda", 16, torch.float32)
+    # The C++ kernel on CPU (torch_native only if it cannot be built).
+    assert resolve_backend("auto", "cpu", 16, torch.float32) == "cpu_paged"
+    assert resolve_backend("torch", "cpu", 16, torch.float32) == "torch"
     assert resolve_backend("triton", "cpu", 16, torch.float32) == "triton"  # interpreter
