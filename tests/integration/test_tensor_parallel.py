@@ -15,6 +15,8 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.errors import EngineDeadError
+from pagedllm.engine.fault_injection import FaultInjector
 from tiny_models import make_qwen3_dir  # tests/ (pytest prepends the rootdir)
 
 PROMPTS = ["Hello, my name is", "The quick brown fox", "def add(a, b):", "你好，世界",
@@ -128,6 +130,21 @@ def test_tp_size_that_does_not_divide_the_heads_is_rejected(gguf_path):
         LLM(str(gguf_path), tensor_parallel_size=2)
     assert psutil.Process().children() == [] or all(
         "resource_tracker" in " ".join(c.cmdline()) for c in psutil.Process().children())
+
+
+def test_failed_forward_pass_stops_the_tp_engine_but_a_failed_sampler_does_not(qwen3_dir):
+    """At one rank a failing batch ends only its requests; with N ranks a forward pass that
+    raises half way leaves the others inside a collective, so the engine stops instead."""
+    with LLM(str(qwen3_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+             tensor_parallel_size=2) as llm:
+        pids = llm.engine.model_runner.workers.pids
+        llm.engine.set_fault_injector(FaultInjector.parse("sampler@1"))
+        out = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "error"
+        llm.engine.set_fault_injector(FaultInjector.parse("model@1"))
+        with pytest.raises(EngineDeadError, match="tensor-parallel step failed"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert_gone(pids)
 
 
 # ---- real processes: exits, signals, dead workers -----------------------------------------
