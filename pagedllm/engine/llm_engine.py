@@ -287,7 +287,12 @@ class LLMEngine:
         except Exception as e:
             raise self._die(f"scheduling failed: {type(e).__name__}: {e}") from e
         if batch.has_block_moves:
-            self.model_runner.move_blocks(batch)
+            try:
+                self.model_runner.move_blocks(batch)
+            except Exception as e:  # the block tables already say the moves happened
+                if isinstance(e, TensorParallelError):
+                    self.shutdown()
+                raise self._die(f"KV block moves failed: {type(e).__name__}: {e}") from e
         if not batch.seqs:
             return []
         self._check_invariants("after scheduling")

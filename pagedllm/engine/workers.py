@@ -152,18 +152,25 @@ def unpack_step(blob: bytes) -> Step:
 class StepChannel:
     """Rank 0 publishes numbered steps in the TCPStore; every other rank reads them in order.
 
-    Rank 0 deletes step n-1 when it publishes step n: finishing step n-1's collectives
-    means every rank has read it.
+    A step's key is deleted only once every rank has surely read it: when rank 0 publishes
+    a step, the forward pass it published last has finished its collectives, so every rank
+    has read that step and every step before it. Block moves have no collective, so the
+    keys of moves published since stay until the next forward pass is over.
     """
 
     def __init__(self, store: dist.TCPStore) -> None:
         self.store = store
         self.n = 0
+        self._oldest = 0          # the oldest step whose key still exists
+        self._last_forward = -1   # the last forward pass published
 
     def publish(self, step: Step) -> None:
         self.store.set(_KEY.format(self.n), pack_step(step))
-        if self.n > 0:
-            self.store.delete_key(_KEY.format(self.n - 1))
+        for old in range(self._oldest, self._last_forward + 1):
+            self.store.delete_key(_KEY.format(old))
+        self._oldest = max(self._oldest, self._last_forward + 1)
+        if isinstance(step, StepInputs):
+            self._last_forward = self.n
         self.n += 1
 
     def receive(self) -> Step:

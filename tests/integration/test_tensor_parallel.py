@@ -243,3 +243,109 @@ def test_rank0_killed_takes_its_workers_along(tmp_path, qwen3_dir):
         on_stepping=lambda proc: os.kill(proc.pid, signal.SIGKILL))
     assert code == -signal.SIGKILL, out
     assert_gone(pids)
+
+
+# ---- chunked prefill, n > 1, beam search, swap: TP=2 equals TP=1 ----------------------------
+
+BLOCK_BYTES = 2 * 3 * 16 * 2 * 32 * 4    # the kv2 Qwen3, fp32, block_size 16, all ranks
+LONG_PROMPT = [(i * 37) % 4000 + 100 for i in range(150)]   # 5 chunks of 32 tokens
+
+
+@pytest.fixture(scope="module")
+def small_engines(qwen3_dir):
+    """TP=1 and TP=2 engines with a 32-token step budget (chunked prefill), 16 KV blocks
+    and swap preemption, shared by the tests below (one start-up each). Every test runs the
+    same requests on both, so their scheduler states stay the same. These tests come last in
+    the module: a process holds one TP engine at a time (one default process group), and
+    this one lives until the module ends."""
+    kw = dict(dtype="float32", block_size=16, max_model_len=256, max_num_batched_tokens=32,
+              kv_cache_memory_bytes=16 * BLOCK_BYTES, preemption_mode="swap",
+              swap_space=0.002, check_invariants=True)
+    with LLM(str(qwen3_dir), **kw) as tp1, LLM(str(qwen3_dir), tensor_parallel_size=2, **kw) as tp2:
+        assert tp2.engine.scheduler.block_manager.num_blocks == 16
+        assert tp2.engine.model_runner.num_swap_blocks == tp1.engine.model_runner.num_swap_blocks
+        pids = tp2.engine.model_runner.workers.pids
+        yield {1: tp1, 2: tp2}
+    assert_gone(pids, timeout=0.5)
+    assert all("resource_tracker" in " ".join(c.cmdline()) for c in psutil.Process().children())
+
+
+def run_both(engines, fn) -> dict[int, list]:
+    return {tp: fn(llm) for tp, llm in engines.items()}
+
+
+def test_tp2_chunked_prefill_of_a_long_prompt_equals_tp1(small_engines):
+    prompts = [LONG_PROMPT, PROMPTS[0], PROMPTS[3]]   # decodes mix with the long prompt's chunks
+    chunks, mixed = {}, {}
+
+    def go(llm):
+        engine = llm.engine
+        steps = num_mixed = 0
+        for i, p in enumerate(prompts):
+            engine.add_request(f"chunked-{i}", p, GREEDY)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+            last = engine.last_step
+            steps += last.num_prefill_tokens > 0
+            num_mixed += 0 < last.num_prefill_tokens < last.num_tokens   # decodes + a chunk
+        chunks[engine.model_runner.world_size] = steps
+        mixed[engine.model_runner.world_size] = num_mixed
+        return [outs[f"chunked-{i}"] for i in range(len(prompts))]
+
+    got = run_both(small_engines, go)
+    assert got[2] == got[1]
+    assert chunks[2] == chunks[1] >= len(LONG_PROMPT) // 32
+    assert mixed[2] == mixed[1] > 0
+
+
+def test_tp2_parallel_sampling_n2_seeded_equals_tp1(small_engines):
+    sp = SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    cows = {}
+
+    def go(llm):
+        bm = llm.engine.scheduler.block_manager
+        before = bm.num_copy_on_writes
+        outs = llm.generate(PROMPTS[:3], sp, use_tqdm=False)
+        cows[llm.engine.model_runner.world_size] = bm.num_copy_on_writes - before
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    got = run_both(small_engines, go)
+    assert got[2] == got[1]
+    assert all(a != b for a, b in got[2])        # two different samples per prompt
+    assert cows[2] == cows[1] > 0                # forks shared, then copied, their last block
+
+
+def test_tp2_beam_search_equals_tp1(small_engines):
+    def go(llm):
+        outs = llm.beam_search(PROMPTS[:2], beam_width=2, max_tokens=12, use_tqdm=False)
+        return [([c.token_ids for c in o.outputs], o.extra["beam_scores"]) for o in outs]
+
+    got = run_both(small_engines, go)
+    for (ids2, scores2), (ids1, scores1) in zip(got[2], got[1]):
+        assert ids2 == ids1
+        assert scores2 == pytest.approx(scores1, abs=1e-4)   # fp32 sums in another order
+
+
+def test_tp2_swap_preemption_under_a_tiny_kv_cache_equals_tp1(small_engines):
+    """5 sequences of 3-4 blocks in 16 blocks: some are swapped out and back in. Each rank
+    swaps its own KV shard to its own memory-mapped file."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [PROMPTS[i % len(PROMPTS)] * 2 for i in range(5)]
+    swaps = {}
+
+    def go(llm):
+        sched = llm.engine.scheduler
+        before = sched.num_swap_outs
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        swaps[llm.engine.model_runner.world_size] = sched.num_swap_outs - before
+        assert sched.swap_pool.num_free_blocks == sched.swap_pool.num_blocks
+        return [o.token_ids for o in outs]
+
+    got = run_both(small_engines, go)
+    assert got[2] == got[1]
+    assert swaps[2] == swaps[1] > 0
+    worker = small_engines[2].engine.model_runner.workers.pids[0]
+    assert "pagedllm-swap-" in Path(f"/proc/{worker}/maps").read_text()
