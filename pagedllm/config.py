@@ -64,7 +64,7 @@ class EngineConfig:
         "torch (torch_native), cpu_paged (C++), triton, flash (flash-attn)", default="auto",
         choices=list(ATTENTION_BACKENDS))
     enforce_eager: bool = _opt(
-        "never compile the model (torch.compile) nor capture CUDA graphs of decode", default=False)
+        "never capture CUDA graphs of decode (CUDA only; the CPU path is always eager)", default=False)
     seed: int = _opt("seed of the sampler's shared random generator", default=0)
     num_threads: int | None = _opt(
         "torch intra-op threads per rank (default: the cores divided among the local ranks)",
