@@ -113,11 +113,15 @@ class Scheduler:
 
     def _schedule_swapped(self, budget: int, rows: list[tuple[Sequence, int]],
                           copies: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
-        """Bring swapped sequences back, oldest first, while their blocks (+ one) fit."""
+        """Bring swapped sequences back, oldest first, while their blocks fit: the swapped
+        ones, the ones their next chunk needs (a prompt swapped out mid-prefill may need
+        several), and at least one to grow into."""
         bm = self.block_manager
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if bm.num_free_blocks < len(seq.swap_table) + 1:
+            n = min(seq.num_uncomputed_tokens, budget)
+            needed = -(-(seq.num_computed_tokens + n) // bm.block_size)
+            if bm.num_free_blocks < max(needed, len(seq.swap_table) + 1):
                 break
             self.swapped.popleft()
             table = bm.allocate_swapped_in(seq, len(seq.swap_table))
@@ -126,7 +130,6 @@ class Scheduler:
             seq.swap_table = []
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
             if n:  # (0 for a beam waiting for the rest of its group)
                 copies.extend(bm.allocate_slots(seq, n))
                 rows.append((seq, n))
