@@ -41,6 +41,28 @@ def hf_smollm(gguf_path):
 
 
 @pytest.fixture(scope="session")
+def hf_greedy_tokens(hf_smollm):
+    """hf_greedy_tokens(prompt_ids, new_tokens) -> HF's greedy continuation of each prompt,
+    one prompt at a time (no padding), exactly new_tokens long. Remembered for the session:
+    several files ask for the same prompts."""
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def generate(prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+        outs = []
+        for ids in prompt_ids:
+            key = (tuple(ids), new_tokens)
+            if key not in cache:
+                with torch.inference_mode():
+                    out = hf_smollm.generate(torch.tensor([ids]), do_sample=False,
+                                             max_new_tokens=new_tokens,
+                                             min_new_tokens=new_tokens, pad_token_id=2)
+                cache[key] = out[0, len(ids):].tolist()
+            outs.append(cache[key])
+        return outs
+    return generate
+
+
+@pytest.fixture(scope="session")
 def hf_smollm_tokenizer(gguf_path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -3,7 +3,6 @@ tokens; a chunk attends to everything computed before it (nano-vllm #212)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.context import get_context, reset_context
@@ -41,14 +40,8 @@ def long_prompts(hf_smollm_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(hf_smollm, long_prompts):
-    outs = []
-    with torch.inference_mode():
-        for ids in long_prompts:
-            out = hf_smollm.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                     min_new_tokens=NEW_TOKENS, pad_token_id=2)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+def hf_reference(hf_greedy_tokens, long_prompts):
+    return hf_greedy_tokens(long_prompts, NEW_TOKENS)
 
 
 def make_llm(budget: int, **kw) -> LLM:

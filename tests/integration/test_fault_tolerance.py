@@ -8,7 +8,6 @@ with HF transformers' greedy tokens.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, EngineConfig, SamplingParams
 from pagedllm.config import env_flag
@@ -38,14 +37,8 @@ def prompt_ids(llm):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_smollm, prompt_ids):
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = hf_smollm.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                     min_new_tokens=NEW_TOKENS, pad_token_id=2)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+def hf_greedy(hf_greedy_tokens, prompt_ids):
+    return hf_greedy_tokens(prompt_ids, NEW_TOKENS)
 
 
 def greedy() -> SamplingParams:

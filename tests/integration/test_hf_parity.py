@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -37,15 +36,9 @@ def prompt_ids(llm):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_smollm, prompt_ids):
+def hf_greedy(hf_greedy_tokens, prompt_ids):
     """HF's greedy continuation of each prompt, one prompt at a time (no padding)."""
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = hf_smollm.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                     min_new_tokens=NEW_TOKENS, pad_token_id=2)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+    return hf_greedy_tokens(prompt_ids, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

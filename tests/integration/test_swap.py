@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -21,14 +20,8 @@ def prompt_ids(hf_smollm_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_smollm, prompt_ids):
-    outs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = hf_smollm.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                     min_new_tokens=NEW_TOKENS, pad_token_id=2)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+def hf_greedy(hf_greedy_tokens, prompt_ids):
+    return hf_greedy_tokens(prompt_ids, NEW_TOKENS)
 
 
 def test_swap_preemption_equals_recompute_and_hf(prompt_ids, hf_greedy):

@@ -14,7 +14,6 @@ import signal
 
 import httpx
 import pytest
-import torch
 
 from test_soak import blocks_used, stop_cleanly
 
@@ -41,15 +40,10 @@ def faulty_server(start_server):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_smollm, hf_smollm_tokenizer):
-    outs = {}
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = hf_smollm_tokenizer.encode(prompt)
-            out = hf_smollm.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                     min_new_tokens=NEW_TOKENS, pad_token_id=2)
-            outs[prompt] = hf_smollm_tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-    return outs
+def hf_greedy(hf_greedy_tokens, hf_smollm_tokenizer):
+    tokens = hf_greedy_tokens([hf_smollm_tokenizer.encode(p) for p in PROMPTS], NEW_TOKENS)
+    return {prompt: hf_smollm_tokenizer.decode(out, skip_special_tokens=True)
+            for prompt, out in zip(PROMPTS, tokens)}
 
 
 def greedy_body(prompt: str, stream: bool = False) -> dict:

@@ -20,18 +20,9 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def reference():
-    """The offline engine on the same weights: what the server must reproduce."""
+    """The offline engine on the same weights: what the server must reproduce (this file's
+    own: a test below stops it on purpose)."""
     return LLM(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
 
 

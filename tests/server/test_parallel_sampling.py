@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -17,17 +16,9 @@ PROMPT = "My favourite animal is"
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def reference():
+    """The offline engine on the same weights (this file's own: test_openai_api.py stops
+    its reference engine on purpose)."""
     return LLM(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
 
 
