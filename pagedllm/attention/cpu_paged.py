@@ -32,6 +32,12 @@ MAX_KERNEL_QUERY_LEN = 32
 # A build lock older than this belongs to a builder that died (a build takes ~1 min).
 STALE_LOCK_SECONDS = 900
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# -fopenmp: ATen's parallel_for is a header template that only runs in parallel when the
+# including code is built with OpenMP (without it the kernel ran on one thread). The
+# process already has torch's libgomp loaded, and the extension binds to that one (same
+# soname), so kernel and torch share one thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+_LDFLAGS = ["-fopenmp"]
 _ext: ModuleType | None = None
 _load_error: str | None = None
 
@@ -44,16 +50,17 @@ def load_extension() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import get_default_build_root, load
         logger.info("loading the C++ paged-attention kernel (compiled once, then cached)")
-        # The name carries the source's hash: checkouts with different kernels (worktrees,
-        # versions) each get their own build directory instead of rebuilding one in turn.
-        digest = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]
+        # The name carries the hash of source and flags: checkouts with different kernels
+        # (worktrees, versions) each get their own build directory instead of rebuilding
+        # one in turn.
+        digest = hashlib.sha1(_SOURCE.read_bytes() + repr((_CFLAGS, _LDFLAGS)).encode()
+                              ).hexdigest()[:10]
         name = f"pagedllm_cpu_paged_attention_{digest}"
         build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         _wait_for_other_builder(build_dir / "lock")
         _ext = load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
-                                  "-fno-trapping-math"],
+                    extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                     verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD") == "1")
     except Exception as e:  # no compiler, no ninja, ...: keep serving with torch_native
         _load_error = f"{type(e).__name__}: {e}"

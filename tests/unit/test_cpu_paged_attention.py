@@ -64,12 +64,14 @@ class Batch:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_kernel_matches_dense_on_ragged_varlen_batch(dtype, block_size, heads, kv_heads):
+@pytest.mark.parametrize("dim", [64, 128, 40])
+def test_kernel_matches_dense_on_ragged_varlen_batch(dtype, block_size, heads, kv_heads, dim):
     # decodes over short and long contexts, chunks over cached prefixes (crossing the
-    # kernel's 8-token query chunks and block boundaries), prompts with nothing cached
+    # kernel's 8-token query chunks and block boundaries), prompts with nothing cached.
+    # Head dims 64 and 128 take the vectorised path on AVX-512 CPUs, 40 the generic one.
     rows = [(0, 1), (40, 1), (300, 1), (16, 13), (255, 9), (0, 21), (512, 32), (3, 2)]
-    dim, scale = 64, 64 ** -0.5
-    b = Batch(rows, heads, kv_heads, dim, block_size, dtype, seed=block_size + heads)
+    scale = dim ** -0.5
+    b = Batch(rows, heads, kv_heads, dim, block_size, dtype, seed=block_size + heads + dim)
     q = torch.cat(b.q)
     q_lens = torch.tensor([n for _, n in rows])
     q_starts = torch.cumsum(q_lens, 0) - q_lens

@@ -9,11 +9,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -121,6 +126,168 @@ void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q
   }
 }
 
+#if defined(__AVX512F__)
+// ---- AVX-512 path: one key's head vector in NV registers of 16 floats -------------------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for softmax arguments (x <= 0): x = k ln2 + y with |y| <= ln2/2 (ln2 split in two
+// for exactness), e^y by its Taylor series to degree 7 (relative error < 1e-7), times 2^k.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  y = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), y);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);
+}
+
+// Scores of NR query vectors (qf rows, fp32, pre-scaled) against keys [0, num_keys): the
+// queries stay in registers, each key is loaded and widened once for all of them.
+template <typename T, int NV, int NR>
+void score_rows(const float* qf, float* scores, int64_t stride, const T* k_cache,
+                const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+  __m512 qv[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) qv[r][i] = _mm512_loadu_ps(qf + r * NV * 16 + i * 16);
+  for_each_key(k_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
+    __m512 kv[NV];
+    for (int i = 0; i < NV; ++i) kv[i] = load16(kj + i * 16);
+    for (int r = 0; r < NR; ++r) {
+      __m512 acc = _mm512_mul_ps(kv[0], qv[r][0]);
+      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(kv[i], qv[r][i], acc);
+      scores[r * stride + j] = _mm512_reduce_add_ps(acc);
+    }
+  });
+}
+
+// acc[r] = sum_j p[r][j] v_j over keys [0, num_keys) for NR rows, accumulated in registers.
+template <typename T, int NV, int NR>
+void weigh_values(const float* probs, int64_t stride, float* acc_out, const T* v_cache,
+                  const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+  __m512 acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
+  for_each_key(v_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16(vj + i * 16);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * stride + j]);
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_fmadd_ps(p, vv[i], acc[r][i]);
+    }
+  });
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + r * NV * 16 + i * 16, acc[r][i]);
+}
+
+// In place: row[0:n] = exp(row - max) (the unnormalised softmax), row[n:width] = 0;
+// returns 1 / sum.
+inline float softmax_row(float* row, int64_t n, int64_t width) {
+  __m512 m = _mm512_set1_ps(-FLT_MAX);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = j + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, row + j));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = j + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), mx));
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+    _mm512_mask_storeu_ps(row + j, k, e);
+  }
+  std::fill(row + n, row + width, 0.f);
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// Query rows in groups of up to 4 held in registers (the 3 query heads of a GQA group in
+// a decode are one group): dispatch a group size known at compile time.
+template <typename T, int NV, template <typename, int, int> class Kernel, typename... Args>
+void by_rows(int64_t nr, Args... args) {
+  switch (nr) {
+    case 1: Kernel<T, NV, 1>::run(args...); break;
+    case 2: Kernel<T, NV, 2>::run(args...); break;
+    case 3: Kernel<T, NV, 3>::run(args...); break;
+    default: Kernel<T, NV, 4>::run(args...); break;
+  }
+}
+template <typename T, int NV, int NR> struct Score {
+  template <typename... A> static void run(A... a) { score_rows<T, NV, NR>(a...); }
+};
+template <typename T, int NV, int NR> struct Weigh {
+  template <typename... A> static void run(A... a) { weigh_values<T, NV, NR>(a...); }
+};
+
+template <typename T, int NV>
+void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q, T* out,
+                      const T* k_cache, const T* v_cache, const int64_t* tables,
+                      const int64_t* q_starts, const int64_t* q_lens, const int64_t* k_lens,
+                      float scale, std::vector<float>& buf) {
+  constexpr int64_t d = NV * 16, kRowBlock = 4;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
+  const int64_t past = k_lens[w.row] - q_lens[w.row];
+  const int64_t num_keys = past + w.q_end;        // keys seen by the chunk's last query
+  const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
+  const int64_t* table = tables + w.row * s.table_width;
+  buf.resize(rows * (num_keys + d + 1));
+  float* scores = buf.data();                     // [rows, num_keys]
+  float* qf = scores + rows * num_keys;           // [rows, d]: scaled queries, then outputs
+  float* inv_sum = qf + rows * d;
+  for (int64_t r = 0; r < rows; ++r) {            // query r = (token r / group, head r % group)
+    const T* src = q + (q_starts[w.row] + w.q_begin + r / group) * s.q_stride_t +
+                   (kv_head * group + r % group) * s.q_stride_h;
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * scale;
+  }
+  // Row r sees keys [0, first_unmasked + r / group]; a block of rows is scored against the
+  // keys its last row sees and the surplus is zeroed by softmax_row.
+  auto keys_of = [&](int64_t r) { return first_unmasked + r / group + 1; };
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int64_t nr = std::min(kRowBlock, rows - r0);
+    by_rows<T, NV, Score>(nr, static_cast<const float*>(qf + r0 * d), scores + r0 * num_keys,
+                          num_keys, k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    inv_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int64_t nr = std::min(kRowBlock, rows - r0);
+    by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
+                          qf + r0 * d, v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + (q_starts[w.row] + w.q_begin + r / group) * s.q_stride_t +
+             (kv_head * group + r % group) * s.q_stride_h;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(qf[r * d + i] * inv_sum[r]);
+  }
+}
+#endif  // __AVX512F__
+
+template <typename T>
+using ItemFn = void (*)(const WorkItem&, int64_t, const Shapes&, const T*, T*, const T*, const T*,
+                        const int64_t*, const int64_t*, const int64_t*, const int64_t*, float,
+                        std::vector<float>&);
+
+template <typename T>
+ItemFn<T> pick_item_fn(int64_t head_dim) {
+#if defined(__AVX512F__)
+  if (head_dim == 64) return attend_item_simd<T, 4>;
+  if (head_dim == 128) return attend_item_simd<T, 8>;
+  if (head_dim == 256) return attend_item_simd<T, 16>;
+#endif
+  return head_dim == 64 ? attend_item<T, 64> : head_dim == 128 ? attend_item<T, 128>
+                                                               : attend_item<T, 0>;
+}
+
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
@@ -128,24 +295,32 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const Shapes s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
                  q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
   const int64_t* ql = q_lens.data_ptr<int64_t>();
-  std::vector<WorkItem> items;
+  const int64_t* kl = k_lens.data_ptr<int64_t>();
+  // Work items: (row, chunk of query tokens) x kv head, largest first, handed out one at a
+  // time (rows' contexts differ a lot: a static split leaves one thread idle).
+  std::vector<WorkItem> chunks;
   for (int64_t row = 0; row < q_lens.size(0); ++row)
     for (int64_t b = 0; b < ql[row]; b += kQueryChunk)
-      items.push_back({row, b, std::min(ql[row], b + kQueryChunk)});
-  const int64_t n = static_cast<int64_t>(items.size()) * s.num_kv_heads;
+      chunks.push_back({row, b, std::min(ql[row], b + kQueryChunk)});
+  auto cost = [&](const WorkItem& w) {
+    return (w.q_end - w.q_begin) * (kl[w.row] - ql[w.row] + w.q_end);
+  };
+  std::stable_sort(chunks.begin(), chunks.end(),
+                   [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
+  const int64_t n = static_cast<int64_t>(chunks.size()) * s.num_kv_heads;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = block_tables.data_ptr<int64_t>();
   const int64_t* qs = q_starts.data_ptr<int64_t>();
-  const int64_t* kl = k_lens.data_ptr<int64_t>();
-  auto item_fn = s.head_dim == 64 ? attend_item<T, 64> : s.head_dim == 128 ? attend_item<T, 128>
-                                                                          : attend_item<T, 0>;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  const ItemFn<T> item_fn = pick_item_fn<T>(s.head_dim);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
-    for (int64_t i = begin; i < end; ++i)
-      item_fn(items[i / s.num_kv_heads], i % s.num_kv_heads, s, qp, op, kp, vp, tp, qs, ql, kl,
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
+      item_fn(chunks[i / s.num_kv_heads], i % s.num_kv_heads, s, qp, op, kp, vp, tp, qs, ql, kl,
               scale, buf);
   });
 }
