@@ -2,9 +2,8 @@
 
 torch_native's decode gathers every sequence's whole padded context out of the cache in
 every layer of every step (a full copy of the live KV cache per step); this kernel walks
-the block tables instead. It is compiled with torch.utils.cpp_extension on first use
-(cached afterwards under TORCH_EXTENSIONS_DIR); if that fails the engine falls back to
-torch_native, which stays the reference.
+the block tables instead. It is part of the C++ extension pagedllm.cpu_ops builds on first
+use; if that fails the engine falls back to torch_native, which stays the reference.
 
 Per row of the batch (num cached tokens, num new tokens): rows with few new tokens
 (decodes, short chunks over a cached prefix) take the kernel; a prompt with nothing cached
@@ -13,78 +12,25 @@ gathers its context once and takes torch's SDPA (the gather is amortised over th
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import time
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from pagedllm import cpu_ops
 from pagedllm.attention import torch_native
 from pagedllm.attention.context import Context
 
-logger = logging.getLogger(__name__)
-
 # Rows with at most this many new tokens over a cached prefix run in the kernel.
 MAX_KERNEL_QUERY_LEN = 32
-# A build lock older than this belongs to a builder that died (a build takes ~1 min).
-STALE_LOCK_SECONDS = 900
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-# -fopenmp: ATen's parallel_for is a header template that only runs in parallel when the
-# including code is built with OpenMP (without it the kernel ran on one thread). The
-# process already has torch's libgomp loaded, and the extension binds to that one (same
-# soname), so kernel and torch share one thread pool.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-_LDFLAGS = ["-fopenmp"]
-_ext: ModuleType | None = None
-_load_error: str | None = None
 
 
 def load_extension() -> ModuleType | None:
-    """The compiled kernel, building it on first use; None (and a warning) if that fails."""
-    global _ext, _load_error
-    if _ext is not None or _load_error is not None:
-        return _ext
-    try:
-        from torch.utils.cpp_extension import get_default_build_root, load
-        logger.info("loading the C++ paged-attention kernel (compiled once, then cached)")
-        # The name carries the hash of source and flags: checkouts with different kernels
-        # (worktrees, versions) each get their own build directory instead of rebuilding
-        # one in turn.
-        digest = hashlib.sha1(_SOURCE.read_bytes() + repr((_CFLAGS, _LDFLAGS)).encode()
-                              ).hexdigest()[:10]
-        name = f"pagedllm_cpu_paged_attention_{digest}"
-        build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        _wait_for_other_builder(build_dir / "lock")
-        _ext = load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
-                    extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                    verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD") == "1")
-    except Exception as e:  # no compiler, no ninja, ...: keep serving with torch_native
-        _load_error = f"{type(e).__name__}: {e}"
-        logger.warning("C++ paged attention unavailable, using torch_native: %s", _load_error)
-    return _ext
-
-
-def _wait_for_other_builder(lock: Path) -> None:
-    """Wait while another process builds the kernel, but break a lock left by a builder
-    that died (torch's own wait on it never ends, so every engine start would hang)."""
-    while lock.exists():
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_SECONDS:
-            logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(1.0)
+    """The compiled kernels (pagedllm.cpu_ops), or None if they could not be built."""
+    return cpu_ops.load()
 
 
 def is_available() -> bool:
-    return load_extension() is not None
+    return cpu_ops.is_available()
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,

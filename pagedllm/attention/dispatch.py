@@ -37,9 +37,9 @@ def backend_problems(name: str, device: str, block_size: int, dtype: torch.dtype
         if device != "cpu":
             problems.append("the cpu_paged kernel is CPU-only; use triton or flash on CUDA")
         else:
-            from pagedllm.attention import cpu_paged
-            if not cpu_paged.is_available():
-                problems.append(f"the C++ kernel did not build ({cpu_paged._load_error})")
+            from pagedllm import cpu_ops
+            if not cpu_ops.is_available():
+                problems.append(f"the C++ kernel did not build ({cpu_ops.load_error})")
     if name == "flash":
         if device != "cuda":
             problems.append("flash-attn needs device='cuda' (it has no CPU kernels)")

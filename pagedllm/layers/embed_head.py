@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
+from pagedllm.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,7 +39,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     on rank 0 (the others return None)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -12,6 +12,33 @@ from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
 
+# Up to this many rows, bf16 linears on CPUs with AVX512-BF16 take pagedllm's own
+# weight-streaming kernel (csrc/small_linear.cpp): 4-5x torch's speed at one row (a
+# single-stream decode step), on par at 4; beyond that torch's (AMX) matmul is faster.
+SMALL_LINEAR_MAX_ROWS = 4
+_small_linear: object = None  # the kernel once looked up; False where there is none
+
+
+def _small_linear_kernel():
+    global _small_linear
+    if _small_linear is None:
+        from pagedllm import cpu_ops
+        ext = cpu_ops.load()
+        _small_linear = ext.small_linear_bf16 if ext is not None and ext.has_small_linear_bf16() \
+            else False
+    return _small_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear, with few-row bf16 products on CPU routed to the weight-streaming kernel."""
+    if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+            and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and weight.is_contiguous() and (kernel := _small_linear_kernel())):
+        y = kernel(x if x.stride(1) == 1 else x.contiguous(), weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -32,7 +59,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -107,7 +134,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from pagedllm import cpu_ops
 from pagedllm.attention import cpu_paged, torch_native
 from pagedllm.attention.context import Context
 
@@ -17,7 +18,7 @@ from pagedllm.attention.context import Context
 @pytest.fixture(scope="module", autouse=True)
 def kernel_builds():
     """The kernel must build here (gcc + ninja are part of the setup): fail, never skip."""
-    assert cpu_paged.is_available(), cpu_paged._load_error
+    assert cpu_paged.is_available(), cpu_ops.load_error
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -115,9 +116,9 @@ def test_backend_decode_and_prefill_match_torch_native(block_size):
 def test_a_stale_build_lock_is_broken_not_waited_on(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
-    old = lock.stat().st_mtime - cpu_paged.STALE_LOCK_SECONDS - 1
+    old = lock.stat().st_mtime - cpu_ops.STALE_LOCK_SECONDS - 1
     os.utime(lock, (old, old))
-    cpu_paged._wait_for_other_builder(lock)  # returns instead of hanging
+    cpu_ops.wait_for_other_builder(lock)  # returns instead of hanging
     assert not lock.exists()
 
 @pytest.mark.parametrize("block_size", [16, 256])

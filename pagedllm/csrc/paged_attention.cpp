@@ -5,7 +5,7 @@
 // q_len == 1; a prefill chunk over a cached prefix: q_len > 1). The new tokens' K/V must
 // already be stored in the cache. Work is split into (row, kv head, chunk of query tokens)
 // items so that the query heads sharing a KV head (GQA) read each cached block once.
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -57,14 +57,35 @@ struct Shapes {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
   int64_t q_stride_t, q_stride_h;              // q and out: [T, H, D]
   int64_t c_stride_b, c_stride_s, c_stride_h;  // caches: [num_blocks, block_size, Hkv, D]
+  // Prefetch each block whole (every kv head) rather than this head's vectors: set while
+  // the first head of an item that covers all heads runs (the others then hit in cache).
+  bool prefetch_whole_blocks = false;
 };
 
 // Visits the first num_keys cached tokens of a row block by block (no division per key):
-// fn(j, pointer to token j's vector for this kv head).
+// fn(j, pointer to token j's vector for this kv head). Blocks lie anywhere in the pool, so
+// no hardware prefetcher can guess the next one: while one block is visited, the vectors of
+// the block kPrefetchBlocks ahead are requested (each read would otherwise wait on memory).
+constexpr int64_t kPrefetchBlocks = 2;
+
 template <typename T, typename Fn>
 inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys, int64_t kv_head,
                          const Shapes& s, Fn&& fn) {
+  const int64_t num_blocks = (num_keys + s.block_size - 1) / s.block_size;
+  const int64_t vec_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0, j = 0; j < num_keys; ++b) {
+    if (b + kPrefetchBlocks < num_blocks) {
+      const char* block = reinterpret_cast<const char*>(cache + table[b + kPrefetchBlocks] * s.c_stride_b);
+      if (s.prefetch_whole_blocks) {  // [block_size, Hkv, D] contiguous
+        for (int64_t c = 0; c < s.c_stride_b * static_cast<int64_t>(sizeof(T)); c += 64)
+          __builtin_prefetch(block + c);
+      } else {
+        const char* head = block + kv_head * s.c_stride_h * static_cast<int64_t>(sizeof(T));
+        for (int64_t o = 0; o < s.block_size; ++o)
+          for (int64_t c = 0; c < vec_bytes; c += 64)
+            __builtin_prefetch(head + o * s.c_stride_s * static_cast<int64_t>(sizeof(T)) + c);
+      }
+    }
     const T* base = cache + table[b] * s.c_stride_b + kv_head * s.c_stride_h;
     const int64_t n = std::min(s.block_size, num_keys - j);
     for (int64_t o = 0; o < n; ++o, ++j) fn(j, base + o * s.c_stride_s);
@@ -296,8 +317,10 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
                  q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   const int64_t* kl = k_lens.data_ptr<int64_t>();
-  // Work items: (row, chunk of query tokens) x kv head, largest first, handed out one at a
-  // time (rows' contexts differ a lot: a static split leaves one thread idle).
+  // Work items: (row, chunk of query tokens), largest first, handed out one at a time
+  // (rows' contexts differ a lot: a static split leaves one thread idle). With enough of
+  // them for every thread an item covers all kv heads, so it reads each block of its row
+  // whole and in order; with few (a single stream) each kv head is an item of its own.
   std::vector<WorkItem> chunks;
   for (int64_t row = 0; row < q_lens.size(0); ++row)
     for (int64_t b = 0; b < ql[row]; b += kQueryChunk)
@@ -307,7 +330,13 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   };
   std::stable_sort(chunks.begin(), chunks.end(),
                    [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
-  const int64_t n = static_cast<int64_t>(chunks.size()) * s.num_kv_heads;
+  const int64_t threads = at::get_num_threads();
+  const bool blocks_contiguous = s.c_stride_h == s.head_dim &&
+                                 s.c_stride_s == s.num_kv_heads * s.head_dim &&
+                                 s.c_stride_b == s.block_size * s.c_stride_s;
+  const bool whole_rows = blocks_contiguous && static_cast<int64_t>(chunks.size()) >= 4 * threads;
+  const int64_t heads_per_item = whole_rows ? s.num_kv_heads : 1;
+  const int64_t n = static_cast<int64_t>(chunks.size()) * (s.num_kv_heads / heads_per_item);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
@@ -316,14 +345,23 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t* qs = q_starts.data_ptr<int64_t>();
   const ItemFn<T> item_fn = pick_item_fn<T>(s.head_dim);
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
-      item_fn(chunks[i / s.num_kv_heads], i % s.num_kv_heads, s, qp, op, kp, vp, tp, qs, ql, kl,
-              scale, buf);
+    Shapes first = s, rest = s;
+    first.prefetch_whole_blocks = whole_rows;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      const WorkItem& w = whole_rows ? chunks[i] : chunks[i / s.num_kv_heads];
+      const int64_t h0 = whole_rows ? 0 : i % s.num_kv_heads;
+      for (int64_t h = h0; h < h0 + heads_per_item; ++h)
+        item_fn(w, h, h == h0 ? first : rest, qp, op, kp, vp, tp, qs, ql, kl, scale, buf);
+    }
   });
 }
+
+}  // namespace
+
+namespace pagedllm {
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -353,9 +391,4 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "out[rows' tokens] = causal attention of q over the paged K/V cache (in place)");
-}
+}  // namespace pagedllm

@@ -1,0 +1,83 @@
+"""The C++ CPU kernels (pagedllm/csrc): paged attention and the small-batch bf16 linear.
+
+They are one extension, compiled with torch.utils.cpp_extension on first use (about a
+minute) and cached afterwards under TORCH_EXTENSIONS_DIR. -march=native: the build is for
+the machine it runs on, so AVX-512 / AVX512-BF16 paths are used exactly where the CPU has
+them. If the build fails, load() returns None with a warning and the engine runs on
+torch's own ops (torch_native attention, F.linear), which stay the reference.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+# A build lock older than this belongs to a builder that died (a build takes ~1 min).
+STALE_LOCK_SECONDS = 900
+_CSRC = Path(__file__).parent / "csrc"
+# -fopenmp: ATen's parallel_for is a header template that only runs in parallel when the
+# including code is built with OpenMP (without it the kernels ran on one thread). The
+# process already has torch's libgomp loaded and the extension binds to that one (same
+# soname), so the kernels and torch share one thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+_LDFLAGS = ["-fopenmp"]
+_ext: ModuleType | None = None
+load_error: str | None = None
+
+
+def _sources() -> list[Path]:
+    return sorted(_CSRC.glob("*.cpp"))
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, building it on first use; None (and a warning) if that fails."""
+    global _ext, load_error
+    if _ext is not None or load_error is not None:
+        return _ext
+    try:
+        from torch.utils.cpp_extension import get_default_build_root
+        from torch.utils.cpp_extension import load as build_and_load
+        logger.info("loading the C++ CPU kernels (compiled once, then cached)")
+        # The name carries the hash of sources and flags: checkouts with different kernels
+        # (worktrees, versions) each get their own build directory instead of rebuilding
+        # one in turn.
+        digest = hashlib.sha1()
+        for src in [*_sources(), _CSRC / "ops.h"]:
+            digest.update(src.name.encode() + src.read_bytes())
+        digest.update(repr((_CFLAGS, _LDFLAGS)).encode())
+        name = f"pagedllm_cpu_ops_{digest.hexdigest()[:10]}"
+        build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        wait_for_other_builder(build_dir / "lock")
+        _ext = build_and_load(name=name, sources=[str(s) for s in _sources()],
+                              build_directory=str(build_dir), extra_cflags=_CFLAGS,
+                              extra_ldflags=_LDFLAGS,
+                              verbose=os.environ.get("PAGEDLLM_VERBOSE_BUILD") == "1")
+    except Exception as e:  # no compiler, no ninja, ...: keep serving with torch's ops
+        load_error = f"{type(e).__name__}: {e}"
+        logger.warning("C++ CPU kernels unavailable, using torch's ops: %s", load_error)
+    return _ext
+
+
+def wait_for_other_builder(lock: Path) -> None:
+    """Wait while another process builds the extension, but break a lock left by a builder
+    that died (torch's own wait on it never ends, so every engine start would hang)."""
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(1.0)
+
+
+def is_available() -> bool:
+    return load() is not None

@@ -1,0 +1,18 @@
+// The C++ CPU kernels of pagedllm, one extension (pagedllm/cpu_ops.py builds and loads it).
+#pragma once
+#include <torch/extension.h>
+
+namespace pagedllm {
+
+// out[rows' new tokens] = causal attention of q over K/V read in place from the paged cache.
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
+                     double scale);
+
+// y = x w^T for bf16 x [M, K] with few rows and a contiguous bf16 w [N, K]; the weight is
+// streamed once (AVX512-BF16 dot products). Only built where the CPU has AVX512-BF16.
+at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w);
+bool has_small_linear_bf16();
+
+}  // namespace pagedllm

@@ -1,0 +1,54 @@
+"""The small-batch bf16 linear kernel (csrc/small_linear.cpp) against float64 products."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import cpu_ops
+from pagedllm.layers import linear as linear_mod
+
+ext = cpu_ops.load()
+if ext is None or not ext.has_small_linear_bf16():
+    # Only CPUs with AVX512-BF16 get the kernel (the engine then uses F.linear); CI's do.
+    pytest.skip("no AVX512-BF16 on this CPU: the engine uses F.linear", allow_module_level=True)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(576, 576), (7, 33), (130, 1536), (3, 64), (49, 31)])
+def test_matches_float64_like_torch(m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    ref = x.double() @ w.double().T
+    ours = ext.small_linear_bf16(x, w)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+    # bf16 inputs multiply exactly; fp32 sums, then one rounding to bf16 (like torch's own)
+    torch.testing.assert_close(ours.double(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+    theirs = F.linear(x, w).double()
+    assert (ours.double() - ref).abs().max() <= 2 * (theirs - ref).abs().max() + 1e-6
+
+
+def test_rows_of_a_strided_input():
+    x = torch.randn(3, 2, 96).bfloat16()[:, 1]  # rows 192 elements apart
+    w = torch.randn(40, 96).bfloat16()
+    torch.testing.assert_close(ext.small_linear_bf16(x, w), ext.small_linear_bf16(x.contiguous(), w))
+
+
+def test_linear_layers_route_few_bf16_rows_to_the_kernel(monkeypatch):
+    calls = []
+    kernel = ext.small_linear_bf16
+    monkeypatch.setattr(linear_mod, "_small_linear", lambda x, w: calls.append(len(x)) or kernel(x, w))
+    w, b = torch.randn(64, 128).bfloat16(), torch.randn(64).bfloat16()
+    for rows in (1, linear_mod.SMALL_LINEAR_MAX_ROWS, linear_mod.SMALL_LINEAR_MAX_ROWS + 1):
+        x = torch.randn(rows, 128).bfloat16()
+        torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=5e-2)
+    linear_mod.linear(torch.randn(2, 128), w.float())  # fp32 stays with torch
+    assert calls == [1, linear_mod.SMALL_LINEAR_MAX_ROWS]
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\]"):
+        ext.small_linear_bf16(torch.randn(2, 8).bfloat16(), torch.randn(4, 9).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.small_linear_bf16(torch.randn(2, 8), torch.randn(4, 8))
