@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 # A build lock older than this belongs to a builder that died (a build takes ~1 min).
@@ -24,7 +26,10 @@ _CSRC = Path(__file__).parent / "csrc"
 # including code is built with OpenMP (without it the kernels ran on one thread). The
 # process already has torch's libgomp loaded and the extension binds to that one (same
 # soname), so the kernels and torch share one thread pool.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+# -ffp-contract=off: a multiply and an add stay two roundings where the torch code a kernel
+# replaces has two (the kernels that want fused multiply-adds use them explicitly).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+           "-ffp-contract=off"]
 _LDFLAGS = ["-fopenmp"]
 _ext: ModuleType | None = None
 load_error: str | None = None
@@ -35,10 +40,15 @@ def _sources() -> list[Path]:
 
 
 def load() -> ModuleType | None:
-    """The compiled extension, building it on first use; None (and a warning) if that fails."""
+    """The compiled extension, building it on first use; None (and a warning) if that fails
+    or if PAGEDLLM_CPU_KERNELS=0 asks for torch's ops only."""
     global _ext, load_error
     if _ext is not None or load_error is not None:
         return _ext
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        load_error = "disabled by PAGEDLLM_CPU_KERNELS=0"
+        logger.info("C++ CPU kernels %s: using torch's ops", load_error)
+        return None
     try:
         from torch.utils.cpp_extension import get_default_build_root
         from torch.utils.cpp_extension import load as build_and_load
@@ -47,7 +57,7 @@ def load() -> ModuleType | None:
         # (worktrees, versions) each get their own build directory instead of rebuilding
         # one in turn.
         digest = hashlib.sha1()
-        for src in [*_sources(), _CSRC / "ops.h"]:
+        for src in [*_sources(), *sorted(_CSRC.glob("*.h"))]:
             digest.update(src.name.encode() + src.read_bytes())
         digest.update(repr((_CFLAGS, _LDFLAGS)).encode())
         name = f"pagedllm_cpu_ops_{digest.hexdigest()[:10]}"
@@ -81,3 +91,8 @@ def wait_for_other_builder(lock: Path) -> None:
 
 def is_available() -> bool:
     return load() is not None
+
+
+def for_tensor(t: torch.Tensor) -> ModuleType | None:
+    """The kernels if they can work on t (a CPU tensor and a built extension), else None."""
+    return load() if t.device.type == "cpu" else None

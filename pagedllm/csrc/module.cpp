@@ -7,4 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x w^T for a few bf16 rows x, streaming the bf16 weight w once");
   m.def("has_small_linear_bf16", &pagedllm::has_small_linear_bf16,
         "whether this build has the AVX512-BF16 small-batch linear");
+  m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");
+  m.def("rotary_embedding", &pagedllm::rotary_embedding,
+        "rotate x [T, heads, D] in place by positions (half-rotation layout)");
+  m.def("argmax_rows", &pagedllm::argmax_rows, "first index of each row's maximum");
 }

@@ -15,4 +15,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w);
 bool has_small_linear_bf16();
 
+// Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
+// rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                 const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void rotary_embedding(const at::Tensor& positions, at::Tensor x, const at::Tensor& cos,
+                      const at::Tensor& sin);
+at::Tensor argmax_rows(const at::Tensor& x);
+
 }  // namespace pagedllm

@@ -6,6 +6,7 @@
 // already be stored in the cache. Work is split into (row, kv head, chunk of query tokens)
 // items so that the query heads sharing a KV head (GQA) read each cached block once.
 #include "ops.h"
+#include "simd.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -148,30 +149,10 @@ void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q
 }
 
 #if defined(__AVX512F__)
+using pagedllm::exp16;
+using pagedllm::load16;
+
 // ---- AVX-512 path: one key's head vector in NV registers of 16 floats -------------------
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// e^x for softmax arguments (x <= 0): x = k ln2 + y with |y| <= ln2/2 (ln2 split in two
-// for exactness), e^y by its Taylor series to degree 7 (relative error < 1e-7), times 2^k.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  y = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), y);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, k);
-}
 
 // Scores of NR query vectors (qf rows, fp32, pre-scaled) against keys [0, num_keys): the
 // queries stay in registers, each key is loaded and widened once for all of them.

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
-from pagedllm.layers.linear import linear
+from pagedllm.layers.linear import linear, prepack_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,8 +38,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the rows given; with several ranks the vocabulary slices are gathered
     on rank 0 (the others return None)."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> int:
+        """Pack the loaded weight for oneDNN (layers.linear.prepack_weight); bytes added."""
+        self.packed_weight = prepack_weight(self.weight)
+        return 0 if self.packed_weight is None else self.weight.nbytes
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, packed=self.packed_weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -20,6 +22,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        ext = cpu_ops.for_tensor(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+        if ext is not None and self.weight.dtype == x.dtype:  # one fused C++ loop
+            if residual is None:
+                return ext.rms_norm(x, None, self.weight, self.eps)[0]
+            out, residual = ext.rms_norm(x, residual, self.weight, self.eps)
+            return out, residual
         if residual is None:
             return self._norm(x)
         x = x + residual

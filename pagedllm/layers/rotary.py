@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm import cpu_ops
+
 
 def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -64,7 +66,12 @@ class RotaryEmbedding(nn.Module):
         return memo[2], memo[3]
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by its positions [T] (q and k heads may come together)."""
+        """x [T, heads, D] rotated by its positions [T] (q and k heads may come together).
+        On CPU the C++ kernel rotates x in place (x is a view of this step's qkv output)."""
+        ext = cpu_ops.for_tensor(x) if x.stride(-1) == 1 else None
+        if ext is not None:
+            ext.rotary_embedding(positions, x, self.cos_cache, self.sin_cache)
+            return x
         cos, sin = self.cos_sin(positions, x.dtype)
         return x * cos + rotate_half(x) * sin
 

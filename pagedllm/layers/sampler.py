@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import cpu_ops
 from pagedllm.outputs import TokenLogprobs
 
 
@@ -109,7 +110,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         logits = apply_penalties(logits, batch.penalties)
     for row, token_ids in batch.banned:
         logits[row, token_ids] = float("-inf")
-    greedy_tokens = logits.argmax(-1)
+    ext = cpu_ops.for_tensor(logits) if logits.stride(-1) == 1 else None
+    greedy_tokens = ext.argmax_rows(logits) if ext is not None else logits.argmax(-1)
     if batch.all_greedy:
         return greedy_tokens
     greedy = batch.temperatures == 0

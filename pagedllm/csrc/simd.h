@@ -1,0 +1,65 @@
+// Vector helpers shared by the kernels.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <type_traits>
+
+namespace pagedllm {
+
+// e^x for x <= 88 (softmax arguments, SiLU): x = k ln2 + y with |y| <= ln2/2 (ln2 split in two
+// for exactness), e^y by its Taylor series to degree 7 (relative error < 1e-7), times 2^k.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+  y = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), y);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);
+}
+
+// 16 values of T widened to fp32, and fp32 rounded to T (round to nearest even, NaN kept:
+// exactly c10's conversion) and stored.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                              _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// Round to T and back (the value torch keeps after an op in dtype T).
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) T tmp[16];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
+}  // namespace pagedllm
+
+#endif  // __AVX512F__

@@ -1,0 +1,97 @@
+"""The fused C++ elementwise ops (csrc/elementwise.cpp) against the torch code they replace:
+RMSNorm (+ residual), SiLU-and-mul, the rotary embedding and the sampler's argmax. In bf16
+they round where torch rounds, so all but a rare last-bit difference match exactly."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import cpu_ops
+from pagedllm.layers.rotary import RotaryEmbedding, rotate_half
+
+ext = cpu_ops.load()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_build():
+    assert ext is not None, cpu_ops.load_error
+
+
+def torch_rms_norm(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def assert_like_torch(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    else:  # one bf16 ulp at most, and almost never
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+        assert (ours == ref).float().mean() > 0.99
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_with_and_without_residual(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    res = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    (out,) = ext.rms_norm(x, None, w, 1e-5)
+    assert_like_torch(out, torch_rms_norm(x, w, 1e-5))
+    out, new_res = ext.rms_norm(x, res, w, 1e-5)
+    assert torch.equal(new_res, x + res)
+    assert_like_torch(out, torch_rms_norm(x + res, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 257])
+def test_silu_and_mul(dtype, rows):
+    x = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+    gate, up = x.chunk(2, -1)
+    assert_like_torch(ext.silu_and_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_strided_view(dtype):
+    rope = RotaryEmbedding(64, 4096, 10000.0)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(11, (9 + 3 + 3) * 64, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (11,), generator=gen)
+    qk = qkv[:, :12 * 64].view(11, 12, 64)  # rows 15 * 64 apart, as in the model
+    cos = rope.cos_cache[positions].unsqueeze(1).to(dtype)
+    sin = rope.sin_cache[positions].unsqueeze(1).to(dtype)
+    ref = qk * cos + rotate_half(qk) * sin
+    v_before = qkv[:, 12 * 64:].clone()
+    ext.rotary_embedding(positions, qk, rope.cos_cache, rope.sin_cache)
+    assert_like_torch(qk, ref)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)  # v untouched
+    with pytest.raises(RuntimeError, match="out of the rotary cache"):
+        ext.rotary_embedding(torch.tensor([4096]), qk[:1], rope.cos_cache, rope.sin_cache)
+
+
+def test_argmax_first_index_on_ties_and_nan_like_torch():
+    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
+    x[3, 10] = x[3, 500] = x[3].max() + 1  # a tie: the first index wins
+    x[5, 7] = float("nan")
+    x[6] = float("-inf")
+    assert torch.equal(ext.argmax_rows(x), x.argmax(-1))
+
+
+def test_the_layers_use_the_kernels_unless_disabled(tmp_path):
+    """PAGEDLLM_CPU_KERNELS=0 turns every C++ kernel off (torch's ops only)."""
+    import subprocess
+    import sys
+    code = ("from pagedllm import cpu_ops; from pagedllm.attention.dispatch import resolve_backend;"
+            "import torch; print(cpu_ops.load() is None, resolve_backend('auto', 'cpu', 16, torch.float32))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PAGEDLLM_CPU_KERNELS": "0"}, timeout=120)
+    assert out.stdout.split() == ["True", "torch"], out.stderr
