@@ -12,6 +12,7 @@ gathers its context once and takes torch's SDPA (the gather is amortised over th
 """
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -52,10 +53,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert ctx.block_tables is not None and ctx.context_lens is not None
     n = q.shape[0]
     out = torch.empty_like(q)
-    ones = torch.ones(n, dtype=torch.int64)
-    paged_attention(out, q, k_cache, v_cache, ctx.block_tables[:n], torch.arange(n), ones,
+    q_starts, ones = _decode_rows(n)
+    paged_attention(out, q, k_cache, v_cache, ctx.block_tables[:n], q_starts, ones,
                     ctx.context_lens[:n], scale)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_starts (0..n-1) and q_lens (all 1) of n decode rows: built once per batch size, not
+    in each layer of each step (the kernel only reads them)."""
+    return torch.arange(n), torch.ones(n, dtype=torch.int64)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -93,7 +101,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """Same contract as torch_native.attention."""
     if not k_cache.numel():  # no cache bound (profiling runs): nothing to read in place
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale)
-    torch_native.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+    load_extension().store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     q = q.contiguous()
     if not ctx.is_prefill:
         return decode_attention(q, k_cache, v_cache, ctx, scale)

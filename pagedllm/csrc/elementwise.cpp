@@ -192,11 +192,10 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor x, const at::Tenso
                   cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
                   cos.dim() == 2 && cos.size(1) == x.size(2),
               "cos and sin must be float32 [max_position, D]");
-  if (x.size(0)) {
-    const auto [lo, hi] = at::aminmax(positions);
-    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < cos.size(0),
-                "position out of the rotary cache's range");
-  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t],
+                " out of the rotary cache's range");
   PAGEDLLM_DISPATCH_FLOAT(x.scalar_type(), "rotary_embedding",
                           rotary_rows<scalar>(positions, x, cos, sin));
 }

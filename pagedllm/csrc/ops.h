@@ -9,6 +9,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
                      double scale);
+// Each new token's K and V into its cache slot (block_id * block_size + offset; -1: skip).
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping);
 
 // y = x w^T for bf16 x [M, K] with few rows and a contiguous bf16 w [N, K]; the weight is
 // streamed once (AVX512-BF16 dot products). Only built where the CPU has AVX512-BF16.

@@ -372,4 +372,41 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   }
 }
 
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be [T, Hkv, D] with a contiguous D");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(2) == k.size(1) &&
+                  k_cache.size(3) == k.size(2),
+              "caches must be contiguous [num_blocks, block_size, Hkv, D] matching k");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == k.size(0),
+              "slot_mapping must be int64 [T]");
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), bytes = d * k.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;  // -1: not stored
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = (slots[t] * heads + h) * bytes;
+        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
+        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+      }
+    }
+  });
+}
+
 }  // namespace pagedllm
