@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2) and, with q/k norms, Qwen3."""
+"""Llama-family decoder (Llama 2/3, SmolLM2) and, with q/k norms, Qwen3.
+
+Inside a layer, submodules are run through .forward(): nn.Module.__call__'s hook handling
+costs about 1 ms of a 16 ms single-stream decode step (12 calls x 30 layers, measured), and
+no hooks are set on them. Layers themselves are called normally (fault injection hooks one).
+"""
 from __future__ import annotations
 
 from typing import Iterable
@@ -40,13 +45,14 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         if self.q_norm is None:  # q and k heads are adjacent in qkv: rotate them in one go
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], -1)
             qk = self.rotary_emb.rotate(positions, qk.view(-1, self.num_heads + self.num_kv_heads,
                                                            self.head_dim))
             q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
-            return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            return self.o_proj.forward(self.attn.forward(q, k, v))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -54,7 +60,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj.forward(self.attn.forward(q, k, v))
 
 
 class MLP(nn.Module):
@@ -66,7 +72,7 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -80,12 +86,12 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm.forward(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm.forward(x, residual)
+        x = self.self_attn.forward(positions, x)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -101,10 +107,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed_tokens.forward(input_ids), None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
+            x, residual = layer(positions, x, residual)  # a call: fault injection hooks layers
+        x, _ = self.norm.forward(x, residual)
         return x
 
 
