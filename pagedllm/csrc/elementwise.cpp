@@ -215,12 +215,34 @@ at::Tensor argmax_rows(const at::Tensor& x) {
       const float* row = xp + r * xs;
       float m = -std::numeric_limits<float>::infinity();
       bool nan = false;
-      for (int64_t i = 0; i < v; ++i) {  // vectorised: max and a NaN flag
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 mv = _mm512_set1_ps(m);
+      __mmask16 unord = 0;
+      for (; i + 16 <= v; i += 16) {
+        const __m512 x = _mm512_loadu_ps(row + i);
+        unord |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(mv, x);
+      }
+      m = _mm512_reduce_max_ps(mv);
+      nan = unord != 0;
+#endif
+      for (; i < v; ++i) {
         m = row[i] > m ? row[i] : m;
         nan |= row[i] != row[i];
       }
       int64_t best = 0;
-      for (int64_t i = 0; i < v; ++i)
+      i = 0;
+#if defined(__AVX512F__)
+      if (!nan) {  // the first position equal to the maximum
+        const __m512 target = _mm512_set1_ps(m);
+        for (; i + 16 <= v; i += 16) {
+          const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
+          if (eq) break;
+        }
+      }
+#endif
+      for (; i < v; ++i)
         if (nan ? row[i] != row[i] : row[i] == m) { best = i; break; }
       op[r] = best;
     }

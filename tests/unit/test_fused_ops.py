@@ -84,6 +84,10 @@ def test_argmax_first_index_on_ties_and_nan_like_torch():
     x[5, 7] = float("nan")
     x[6] = float("-inf")
     assert torch.equal(ext.argmax_rows(x), x.argmax(-1))
+    for width in (1, 7, 16, 33):  # the vector loop's tail
+        y = torch.randn(6, width, generator=torch.Generator().manual_seed(width))
+        y[1, -1] = y[1].max() + 1
+        assert torch.equal(ext.argmax_rows(y), y.argmax(-1))
 
 
 def test_the_layers_use_the_kernels_unless_disabled(tmp_path):
