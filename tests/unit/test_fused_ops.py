@@ -90,7 +90,7 @@ def test_argmax_first_index_on_ties_and_nan_like_torch():
         assert torch.equal(ext.argmax_rows(y), y.argmax(-1))
 
 
-def test_the_layers_use_the_kernels_unless_disabled(tmp_path):
+def test_pagedllm_cpu_kernels_0_turns_every_kernel_off():
     """PAGEDLLM_CPU_KERNELS=0 turns every C++ kernel off (torch's ops only)."""
     import subprocess
     import sys
