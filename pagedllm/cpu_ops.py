@@ -52,7 +52,6 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import get_default_build_root
         from torch.utils.cpp_extension import load as build_and_load
-        logger.info("loading the C++ CPU kernels (compiled once, then cached)")
         # The name carries the hash of sources and flags: checkouts with different kernels
         # (worktrees, versions) each get their own build directory instead of rebuilding
         # one in turn.
@@ -63,6 +62,11 @@ def load() -> ModuleType | None:
         name = f"pagedllm_cpu_ops_{digest.hexdigest()[:10]}"
         build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        if (build_dir / f"{name}.so").exists():
+            logger.info("loading the C++ CPU kernels from %s", build_dir)
+        else:
+            logger.info("building the C++ CPU kernels for this machine (about a minute, once; "
+                        "cached in %s)", build_dir)
         wait_for_other_builder(build_dir / "lock")
         _ext = build_and_load(name=name, sources=[str(s) for s in _sources()],
                               build_directory=str(build_dir), extra_cflags=_CFLAGS,
