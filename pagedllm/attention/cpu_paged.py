@@ -13,7 +13,6 @@ gathers its context once and takes torch's SDPA (the gather is amortised over th
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 
 import torch
 
@@ -25,15 +24,6 @@ from pagedllm.attention.context import Context
 MAX_KERNEL_QUERY_LEN = 32
 
 
-def load_extension() -> ModuleType | None:
-    """The compiled kernels (pagedllm.cpu_ops), or None if they could not be built."""
-    return cpu_ops.load()
-
-
-def is_available() -> bool:
-    return cpu_ops.is_available()
-
-
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
                     q_lens: torch.Tensor, k_lens: torch.Tensor, scale: float) -> None:
@@ -42,7 +32,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     Row i's q_lens[i] tokens sit at q[q_starts[i]:] and follow k_lens[i] - q_lens[i] cached
     tokens; all k_lens[i] K/V vectors (the new ones too) are already in the cache.
     """
-    ext = load_extension()
+    ext = cpu_ops.load()
     assert ext is not None, "the C++ paged-attention kernel is not available"
     ext.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale)
 
@@ -101,7 +91,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """Same contract as torch_native.attention."""
     if not k_cache.numel():  # no cache bound (profiling runs): nothing to read in place
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale)
-    load_extension().store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    cpu_ops.load().store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     q = q.contiguous()
     if not ctx.is_prefill:
         return decode_attention(q, k_cache, v_cache, ctx, scale)

@@ -3,8 +3,9 @@
 //
 // A row computes q_len new tokens after k_len - q_len tokens already cached (decode:
 // q_len == 1; a prefill chunk over a cached prefix: q_len > 1). The new tokens' K/V must
-// already be stored in the cache. Work is split into (row, kv head, chunk of query tokens)
-// items so that the query heads sharing a KV head (GQA) read each cached block once.
+// already be stored in the cache. Work is split into (row, chunk of query tokens) items, for
+// one kv head each or, when there are enough items for every thread, for all of them; the
+// query heads sharing a KV head (GQA) read each cached block once.
 #include "ops.h"
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -16,10 +17,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 

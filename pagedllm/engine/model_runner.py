@@ -28,6 +28,7 @@ from pagedllm.engine.swap import allocate_swap_tensor
 from pagedllm.engine.workers import (BlockMoves, StepChannel, StepInputs, TensorParallelError,
                                      WorkerProcesses, acknowledge_exit, default_num_threads,
                                      sigint_deferred)
+from pagedllm.layers.linear import PrepackedWeight
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.models.config import ModelConfig
@@ -167,7 +168,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(weights)  # type: ignore[attr-defined]
         self.model.eval()
-        packed = sum(m.prepack() for m in self.model.modules() if hasattr(m, "prepack"))
+        packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, PrepackedWeight))
         if packed and self.rank == 0:
             logger.info("weights also kept in oneDNN's packed layout for batched bf16 "
                         "matmuls: +%.0f MiB", packed / 2**20)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
-from pagedllm.layers.linear import linear, prepack_weight
+from pagedllm.layers.linear import PrepackedWeight, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,16 +34,9 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PrepackedWeight, VocabParallelEmbedding):
     """Logits for the rows given; with several ranks the vocabulary slices are gathered
     on rank 0 (the others return None)."""
-
-    packed_weight: torch.Tensor | None = None
-
-    def prepack(self) -> int:
-        """Pack the loaded weight for oneDNN (layers.linear.prepack_weight); bytes added."""
-        self.packed_weight = prepack_weight(self.weight)
-        return 0 if self.packed_weight is None else self.weight.nbytes
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         logits = linear(hidden, self.weight, packed=self.packed_weight)

@@ -56,11 +56,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+class PrepackedWeight:
+    """Mixin of the modules whose 2-D `weight` feeds linear(): after loading, prepack()
+    may keep a oneDNN-packed copy of it (see prepack_weight)."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> int:
+        """Pack the loaded weight for oneDNN where that applies; the bytes it added."""
+        self.packed_weight = prepack_weight(self.weight)  # type: ignore[attr-defined]
+        return 0 if self.packed_weight is None else self.weight.nbytes  # type: ignore[attr-defined]
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class LinearBase(nn.Module):
+class LinearBase(PrepackedWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -70,15 +82,9 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _param(out_features)
             self.bias.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None  # set by prepack() once loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard: object) -> None:
         param.data.copy_(loaded)
-
-    def prepack(self) -> int:
-        """Pack the loaded weight for oneDNN (see prepack_weight); the bytes it added."""
-        self.packed_weight = prepack_weight(self.weight)
-        return 0 if self.packed_weight is None else self.weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)
