@@ -5,7 +5,7 @@ model code keeps the plain (positions, hidden_states) interface (as in nano-vllm
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,9 @@ class Context:
     # Host copies of the lengths, so CPU kernels need not sync or convert.
     seqlens_q: list[int] | None = None
     seqlens_k: list[int] | None = None
+    # Per-step scratch of the attention backend: what it works out from the above in the
+    # first layer (which rows take which path, a shared prefix) and reuses in the others.
+    backend_plans: dict[object, object] = field(default_factory=dict)
 
 
 _CONTEXT = Context()

@@ -9,10 +9,17 @@ Per row of the batch (num cached tokens, num new tokens): rows with few new toke
 (decodes, short chunks over a cached prefix) take the kernel; a prompt with nothing cached
 takes torch's flash attention over its own new tokens; a long chunk over a cached prefix
 gathers its context once and takes torch's SDPA (the gather is amortised over the chunk).
+
+Cascade attention: when the kernel's rows all begin with the same blocks (a prompt prefix
+they share through the prefix cache), attention over those blocks runs once for all their
+queries as one dense flash-attention call (the prefix is read once per layer instead of
+once per row, and the matmuls run on the CPU's matrix units), and the kernel reads only
+each row's own blocks, merging the two parts by their log-sum-exp.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -22,19 +29,114 @@ from pagedllm.attention.context import Context
 
 # Rows with at most this many new tokens over a cached prefix run in the kernel.
 MAX_KERNEL_QUERY_LEN = 32
+# Cascade attention pays when enough rows share a long enough prefix.
+CASCADE_MIN_ROWS = 4
+CASCADE_MIN_TOKENS = 256
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
-                    q_lens: torch.Tensor, k_lens: torch.Tensor, scale: float) -> None:
+                    q_lens: torch.Tensor, k_lens: torch.Tensor, scale: float,
+                    prefix_out: torch.Tensor | None = None,
+                    prefix_lse: torch.Tensor | None = None) -> None:
     """Write into out the causal attention of rows' new tokens over their paged K/V.
 
     Row i's q_lens[i] tokens sit at q[q_starts[i]:] and follow k_lens[i] - q_lens[i] cached
-    tokens; all k_lens[i] K/V vectors (the new ones too) are already in the cache.
+    tokens; all k_lens[i] K/V vectors (the new ones too) are already in the cache. With
+    prefix_out [T, H, D] and prefix_lse [T, H] (each query's attention over keys that come
+    before its row's table, and the log-sum-exp of their scores), the result is attention
+    over both.
     """
     ext = cpu_ops.load()
     assert ext is not None, "the C++ paged-attention kernel is not available"
-    ext.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale)
+    ext.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale,
+                        prefix_out, prefix_lse)
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """The rows of one step that take the kernel, worked out once per step."""
+
+    rows: list[int]            # indices into the context's rows
+    tables: torch.Tensor       # their block tables (without the shared prefix, if any)
+    q_starts: torch.Tensor     # where each row's new tokens start in q
+    q_lens: torch.Tensor
+    k_lens: torch.Tensor       # keys per row (without the shared prefix, if any)
+    prefix_blocks: torch.Tensor | None = None  # the blocks every row starts with (cascade)
+    prefix_tokens: torch.Tensor | None = None  # the rows' tokens in q (cascade, if not all)
+
+
+def plan_kernel_rows(rows: list[int], tables: torch.Tensor, q_starts: list[int],
+                     q_lens: list[int], k_lens: list[int], block_size: int) -> KernelRows:
+    """The kernel's inputs for these rows; with a long enough prefix of whole blocks that
+    every row's table starts with and that lies before every row's first new token, a
+    cascade: the prefix is cut off the tables and attended separately."""
+    as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+    shared = 0
+    if len(rows) >= CASCADE_MIN_ROWS:
+        shared = min(k - q for q, k in zip(q_lens, k_lens)) // block_size
+        if shared * block_size >= CASCADE_MIN_TOKENS:
+            same = (tables[:, :shared] == tables[:1, :shared]).all(0)
+            differs = (~same).nonzero()
+            shared = int(differs[0]) if len(differs) else shared
+    if shared * block_size < CASCADE_MIN_TOKENS:
+        return KernelRows(rows, tables.contiguous(), as_tensor(q_starts), as_tensor(q_lens),
+                          as_tensor(k_lens))
+    prefix_len = shared * block_size
+    tokens = None
+    if q_starts != list(range(len(rows))):  # not the decode rows at the front of q
+        tokens = torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, q_lens)])
+    return KernelRows(rows, tables[:, shared:].contiguous(), as_tensor(q_starts),
+                      as_tensor(q_lens), as_tensor([k - prefix_len for k in k_lens]),
+                      prefix_blocks=tables[0, :shared].clone(), prefix_tokens=tokens)
+
+
+def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     blocks: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query q [T, H, D] over all the keys of these blocks (no mask: they all come
+    before every query): the output [T, H, D] and the log-sum-exp of the scores [T, H].
+
+    One flash-attention call for all queries: the query heads that share a KV head are
+    stacked along the query axis, so the call sees num_kv_heads heads of T * group queries.
+    """
+    num_tokens, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    # index_select copies whole blocks ~5x faster than advanced indexing (measured).
+    keys = k_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, P, D]
+    values = v_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None]
+    queries = q.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3)
+    queries = queries.reshape(1, kv_heads, num_tokens * group, dim)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        queries, keys, values, 0.0, False, scale=scale)
+    out = out[0].view(kv_heads, num_tokens, group, dim).permute(1, 0, 2, 3)
+    lse = lse[0].view(kv_heads, num_tokens, group).permute(1, 0, 2)
+    return out.reshape(num_tokens, heads, dim), lse.reshape(num_tokens, heads)
+
+
+def kernel_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, plan: KernelRows, scale: float) -> None:
+    """The plan's rows' tokens of out, as a cascade if the plan has a shared prefix."""
+    prefix_out = prefix_lse = None
+    if plan.prefix_blocks is not None:
+        if plan.prefix_tokens is None:
+            prefix_out, prefix_lse = prefix_attention(q, k_cache, v_cache, plan.prefix_blocks, scale)
+        else:
+            part_out, part_lse = prefix_attention(q[plan.prefix_tokens], k_cache, v_cache,
+                                                  plan.prefix_blocks, scale)
+            prefix_out = torch.empty_like(q)
+            prefix_lse = torch.empty(q.shape[:2], dtype=torch.float32)
+            prefix_out[plan.prefix_tokens] = part_out
+            prefix_lse[plan.prefix_tokens] = part_lse
+    paged_attention(out, q, k_cache, v_cache, plan.tables, plan.q_starts, plan.q_lens,
+                    plan.k_lens, scale, prefix_out, prefix_lse)
+
+
+def _cached_plan(ctx: Context, key: object, make) -> KernelRows:
+    plan = ctx.backend_plans.get(key)
+    if plan is None:
+        plan = ctx.backend_plans[key] = make()
+    return plan
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,18 +144,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One new token per row (the first len(q) rows of the context)."""
     assert ctx.block_tables is not None and ctx.context_lens is not None
     n = q.shape[0]
+
+    def make() -> KernelRows:
+        return plan_kernel_rows(list(range(n)), ctx.block_tables[:n], list(range(n)), [1] * n,
+                                ctx.context_lens[:n].tolist(), k_cache.shape[1])
+
     out = torch.empty_like(q)
-    q_starts, ones = _decode_rows(n)
-    paged_attention(out, q, k_cache, v_cache, ctx.block_tables[:n], q_starts, ones,
-                    ctx.context_lens[:n], scale)
+    kernel_attention(out, q, k_cache, v_cache, _cached_plan(ctx, ("decode", n), make), scale)
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _decode_rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_starts (0..n-1) and q_lens (all 1) of n decode rows: built once per batch size, not
-    in each layer of each step (the kernel only reads them)."""
-    return torch.arange(n), torch.ones(n, dtype=torch.int64)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -79,10 +177,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         start = end
     if kernel_rows:
         assert ctx.block_tables is not None
-        rows, q_starts, q_lens, k_lens = (torch.tensor(c, dtype=torch.int64)
-                                          for c in zip(*kernel_rows))
-        paged_attention(out, q, k_cache, v_cache, ctx.block_tables[rows].contiguous(), q_starts,
-                        q_lens, k_lens, scale)
+        rows, q_starts, q_lens, k_lens = (list(c) for c in zip(*kernel_rows))
+
+        def make() -> KernelRows:
+            return plan_kernel_rows(rows, ctx.block_tables[rows], q_starts, q_lens, k_lens,
+                                    k_cache.shape[1])
+
+        plan = _cached_plan(ctx, ("prefill", first_row), make)
+        kernel_attention(out, q, k_cache, v_cache, plan, scale)
     return out
 
 

@@ -2,7 +2,11 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &pagedllm::paged_attention,
-        "out[rows' tokens] = causal attention of q over the paged K/V cache (in place)");
+        "out[rows' tokens] = causal attention of q over the paged K/V cache (in place), "
+        "merged with a shared prefix's attention if given",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("k_lens"),
+        py::arg("scale"), py::arg("prefix_out") = py::none(), py::arg("prefix_lse") = py::none());
   m.def("store_kv", &pagedllm::store_kv, "write new tokens' K and V into their cache slots");
   m.def("small_linear_bf16", &pagedllm::small_linear_bf16,
         "x w^T for a few bf16 rows x, streaming the bf16 weight w once");

@@ -4,11 +4,14 @@
 
 namespace pagedllm {
 
-// out[rows' new tokens] = causal attention of q over K/V read in place from the paged cache.
+// out[rows' new tokens] = causal attention of q over K/V read in place from the paged cache;
+// with prefix_out/prefix_lse (attention over a shared prefix that the tables leave out),
+// merged with that by log-sum-exp (cascade attention).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
-                     double scale);
+                     double scale, const c10::optional<at::Tensor>& prefix_out,
+                     const c10::optional<at::Tensor>& prefix_lse);
 // Each new token's K and V into its cache slot (block_id * block_size + offset; -1: skip).
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);

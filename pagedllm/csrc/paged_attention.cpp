@@ -60,6 +60,40 @@ struct Shapes {
   bool prefetch_whole_blocks = false;
 };
 
+// The call's tensors. With a shared prefix (cascade attention), prefix_out/prefix_lse hold
+// each query's attention over the prefix the caller computed ([T, H, D] and [T, H]); the
+// rows' tables and k_lens then cover only what follows the prefix, and each query's two
+// partial results are merged by their log-sum-exp.
+template <typename T>
+struct Inputs {
+  const T* q;
+  T* out;
+  const T *k_cache, *v_cache;
+  const int64_t *tables, *q_starts, *q_lens, *k_lens;
+  float scale;
+  const T* prefix_out = nullptr;
+  const float* prefix_lse = nullptr;
+  int64_t p_stride_t = 0, p_stride_h = 0, lse_stride_t = 0;
+};
+
+// Writes query (token, head)'s output from its unnormalised accumulator acc (sum over its
+// keys of e^(score - m) v) and sum (of e^(score - m)), merging the prefix part if any.
+template <typename T>
+inline void write_output(const float* acc, float m, float sum, int64_t token, int64_t head,
+                         int64_t d, const Shapes& s, const Inputs<T>& in) {
+  T* dst = in.out + token * s.q_stride_t + head * s.q_stride_h;
+  if (in.prefix_out == nullptr) {
+    const float inv = 1.f / sum;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+    return;
+  }
+  const float lse = in.prefix_lse[token * in.lse_stride_t + head];
+  const float top = std::max(m, lse);
+  const float a = std::exp(m - top), b = std::exp(lse - top), inv = 1.f / (sum * a + b);
+  const T* po = in.prefix_out + token * in.p_stride_t + head * in.p_stride_h;
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>((acc[i] * a + to_float(po[i]) * b) * inv);
+}
+
 // Visits the first num_keys cached tokens of a row block by block (no division per key):
 // fn(j, pointer to token j's vector for this kv head). Blocks lie anywhere in the pool, so
 // no hardware prefetcher can guess the next one: while one block is visited, the vectors of
@@ -92,31 +126,30 @@ inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys,
 
 // D > 0: the head dim known at compile time (fully unrolled, vectorised loops); D == 0: any.
 template <typename T, int64_t D>
-void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q, T* out,
-                 const T* k_cache, const T* v_cache, const int64_t* tables,
-                 const int64_t* q_starts, const int64_t* q_lens, const int64_t* k_lens,
-                 float scale, std::vector<float>& buf) {
+void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T>& in,
+                 std::vector<float>& buf) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = D > 0 ? D : s.head_dim;
   const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
-  const int64_t q_len = q_lens[w.row], k_len = k_lens[w.row];
+  const int64_t q_len = in.q_lens[w.row], k_len = in.k_lens[w.row];
   const int64_t past = k_len - q_len;          // tokens before the row's first new token
   const int64_t num_keys = past + w.q_end;     // keys seen by the chunk's last query
-  const int64_t* table = tables + w.row * s.table_width;
-  buf.resize(rows * (num_keys + d + 1));
+  const int64_t* table = in.tables + w.row * s.table_width;
+  const int64_t first_token = in.q_starts[w.row] + w.q_begin;
+  buf.resize(rows * (num_keys + d + 2));
   float* scores = buf.data();                  // [rows, num_keys]
   float* qf = scores + rows * num_keys;        // [rows, d], scaled queries; reused as acc
-  float* inv_sum = qf + rows * d;              // [rows]
+  float* row_max = qf + rows * d;              // [rows]
+  float* row_sum = row_max + rows;             // [rows]
   // Query r = (token t, head g) sees keys [0, past + q_begin + t].
   for (int64_t t = 0; t < num_q; ++t) {
-    const int64_t token = q_starts[w.row] + w.q_begin + t;
     for (int64_t g = 0; g < group; ++g) {
-      const T* src = q + token * s.q_stride_t + (kv_head * group + g) * s.q_stride_h;
+      const T* src = in.q + (first_token + t) * s.q_stride_t + (kv_head * group + g) * s.q_stride_h;
       float* dst = qf + (t * group + g) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * scale;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * in.scale;
     }
   }
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
-  for_each_key(k_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
+  for_each_key(in.k_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
     const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
     for (int64_t r = first_r; r < rows; ++r) scores[r * num_keys + j] = dot<T, D>(kj, qf + r * d, d);
   });
@@ -130,19 +163,18 @@ void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q
       sc[j] = std::exp(sc[j] - m);
       sum += sc[j];
     }
-    inv_sum[r] = 1.f / sum;
+    row_max[r] = m;
+    row_sum[r] = sum;
   }
   float* acc = qf;
   std::fill(acc, acc + rows * d, 0.f);
-  for_each_key(v_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
+  for_each_key(in.v_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
     const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
     for (int64_t r = first_r; r < rows; ++r) axpy<T, D>(scores[r * num_keys + j], vj, acc + r * d, d);
   });
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = q_starts[w.row] + w.q_begin + r / group;
-    T* dst = out + token * s.q_stride_t + (kv_head * group + r % group) * s.q_stride_h;
-    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[r * d + i] * inv_sum[r]);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    write_output(acc + r * d, row_max[r], row_sum[r], first_token + r / group,
+                 kv_head * group + r % group, d, s, in);
 }
 
 #if defined(__AVX512F__)
@@ -190,14 +222,15 @@ void weigh_values(const float* probs, int64_t stride, float* acc_out, const T* v
 }
 
 // In place: row[0:n] = exp(row - max) (the unnormalised softmax), row[n:width] = 0;
-// returns 1 / sum.
-inline float softmax_row(float* row, int64_t n, int64_t width) {
+// returns the sum, and the max in *max_out.
+inline float softmax_row(float* row, int64_t n, int64_t width, float* max_out) {
   __m512 m = _mm512_set1_ps(-FLT_MAX);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = j + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
     m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, row + j));
   }
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  *max_out = _mm512_reduce_max_ps(m);
+  const __m512 mx = _mm512_set1_ps(*max_out);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = j + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
@@ -206,7 +239,7 @@ inline float softmax_row(float* row, int64_t n, int64_t width) {
     _mm512_mask_storeu_ps(row + j, k, e);
   }
   std::fill(row + n, row + width, 0.f);
-  return 1.f / _mm512_reduce_add_ps(sum);
+  return _mm512_reduce_add_ps(sum);
 }
 
 // Query rows in groups of up to 4 held in registers (the 3 query heads of a GQA group in
@@ -228,25 +261,25 @@ template <typename T, int NV, int NR> struct Weigh {
 };
 
 template <typename T, int NV>
-void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const T* q, T* out,
-                      const T* k_cache, const T* v_cache, const int64_t* tables,
-                      const int64_t* q_starts, const int64_t* q_lens, const int64_t* k_lens,
-                      float scale, std::vector<float>& buf) {
+void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T>& in,
+                      std::vector<float>& buf) {
   constexpr int64_t d = NV * 16, kRowBlock = 4;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
-  const int64_t past = k_lens[w.row] - q_lens[w.row];
+  const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
   const int64_t num_keys = past + w.q_end;        // keys seen by the chunk's last query
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
-  const int64_t* table = tables + w.row * s.table_width;
-  buf.resize(rows * (num_keys + d + 1));
+  const int64_t* table = in.tables + w.row * s.table_width;
+  const int64_t first_token = in.q_starts[w.row] + w.q_begin;
+  buf.resize(rows * (num_keys + d + 2));
   float* scores = buf.data();                     // [rows, num_keys]
   float* qf = scores + rows * num_keys;           // [rows, d]: scaled queries, then outputs
-  float* inv_sum = qf + rows * d;
+  float* row_max = qf + rows * d;
+  float* row_sum = row_max + rows;
   for (int64_t r = 0; r < rows; ++r) {            // query r = (token r / group, head r % group)
-    const T* src = q + (q_starts[w.row] + w.q_begin + r / group) * s.q_stride_t +
+    const T* src = in.q + (first_token + r / group) * s.q_stride_t +
                    (kv_head * group + r % group) * s.q_stride_h;
-    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * scale;
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * in.scale;
   }
   // Row r sees keys [0, first_unmasked + r / group]; a block of rows is scored against the
   // keys its last row sees and the surplus is zeroed by softmax_row.
@@ -254,26 +287,23 @@ void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, rows - r0);
     by_rows<T, NV, Score>(nr, static_cast<const float*>(qf + r0 * d), scores + r0 * num_keys,
-                          num_keys, k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+                          num_keys, in.k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
   }
   for (int64_t r = 0; r < rows; ++r)
-    inv_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys);
+    row_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys, row_max + r);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, rows - r0);
     by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
-                          qf + r0 * d, v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+                          qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + (q_starts[w.row] + w.q_begin + r / group) * s.q_stride_t +
-             (kv_head * group + r % group) * s.q_stride_h;
-    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(qf[r * d + i] * inv_sum[r]);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    write_output(qf + r * d, row_max[r], row_sum[r], first_token + r / group,
+                 kv_head * group + r % group, d, s, in);
 }
 #endif  // __AVX512F__
 
 template <typename T>
-using ItemFn = void (*)(const WorkItem&, int64_t, const Shapes&, const T*, T*, const T*, const T*,
-                        const int64_t*, const int64_t*, const int64_t*, const int64_t*, float,
+using ItemFn = void (*)(const WorkItem&, int64_t, const Shapes&, const Inputs<T>&,
                         std::vector<float>&);
 
 template <typename T>
@@ -290,7 +320,8 @@ ItemFn<T> pick_item_fn(int64_t head_dim) {
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
-         const at::Tensor& k_lens, float scale) {
+         const at::Tensor& k_lens, float scale, const c10::optional<at::Tensor>& prefix_out,
+         const c10::optional<at::Tensor>& prefix_lse) {
   const Shapes s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
                  q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
   const int64_t* ql = q_lens.data_ptr<int64_t>();
@@ -315,12 +346,15 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const bool whole_rows = blocks_contiguous && static_cast<int64_t>(chunks.size()) >= 4 * threads;
   const int64_t heads_per_item = whole_rows ? s.num_kv_heads : 1;
   const int64_t n = static_cast<int64_t>(chunks.size()) * (s.num_kv_heads / heads_per_item);
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* tp = block_tables.data_ptr<int64_t>();
-  const int64_t* qs = q_starts.data_ptr<int64_t>();
+  Inputs<T> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale};
+  if (prefix_out.has_value()) {
+    in.prefix_out = prefix_out->data_ptr<T>();
+    in.prefix_lse = prefix_lse->data_ptr<float>();
+    in.p_stride_t = prefix_out->stride(0);
+    in.p_stride_h = prefix_out->stride(1);
+    in.lse_stride_t = prefix_lse->stride(0);
+  }
   const ItemFn<T> item_fn = pick_item_fn<T>(s.head_dim);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
@@ -332,7 +366,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
       const WorkItem& w = whole_rows ? chunks[i] : chunks[i / s.num_kv_heads];
       const int64_t h0 = whole_rows ? 0 : i % s.num_kv_heads;
       for (int64_t h = h0; h < h0 + heads_per_item; ++h)
-        item_fn(w, h, h == h0 ? first : rest, qp, op, kp, vp, tp, qs, ql, kl, scale, buf);
+        item_fn(w, h, h == h0 ? first : rest, in, buf);
     }
   });
 }
@@ -344,7 +378,8 @@ namespace pagedllm {
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
-                     double scale) {
+                     double scale, const c10::optional<at::Tensor>& prefix_out,
+                     const c10::optional<at::Tensor>& prefix_lse) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.strides() == v_cache.strides(),
@@ -360,11 +395,22 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q_starts.size(0) == q_lens.size(0) && k_lens.size(0) == q_lens.size(0) &&
                   block_tables.size(0) == q_lens.size(0),
               "one block table, q_start, q_len and k_len per row");
+  TORCH_CHECK(prefix_out.has_value() == prefix_lse.has_value(),
+              "prefix_out and prefix_lse come together");
+  if (prefix_out.has_value()) {
+    TORCH_CHECK(prefix_out->sizes() == q.sizes() && prefix_out->scalar_type() == q.scalar_type() &&
+                    prefix_out->stride(2) == 1,
+                "prefix_out must be [T, H, D] like q with a contiguous D");
+    TORCH_CHECK(prefix_lse->dim() == 2 && prefix_lse->size(0) == q.size(0) &&
+                    prefix_lse->size(1) == q.size(1) && prefix_lse->scalar_type() == at::kFloat &&
+                    prefix_lse->stride(1) == 1,
+                "prefix_lse must be float32 [T, H] with a contiguous H");
+  }
   const float sc = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc); break;
-    case at::kBFloat16: run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc); break;
-    case at::kHalf: run<c10::Half>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc); break;
+    case at::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse); break;
+    case at::kBFloat16: run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse); break;
+    case at::kHalf: run<c10::Half>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse); break;
     default: TORCH_CHECK(false, "paged_attention supports float32, bfloat16 and float16, got ", q.scalar_type());
   }
 }

@@ -82,6 +82,50 @@ def test_prefix_cache_hits_keep_outputs(llm, prompt_ids, hf_greedy):
     assert_all_blocks_free(llm)
 
 
+SHARED_PREFIX = (
+    "You are a careful assistant for a public library. Answer briefly and only with facts "
+    "you are sure of. The library opens at nine in the morning and closes at six in the "
+    "evening from Monday to Friday; on Saturday it closes at one. Members may borrow up "
+    "to eight books for three weeks, and renew them twice unless another member has "
+    "reserved them. Late returns cost ten cents a day per book. The reading room on the "
+    "second floor is silent; group study rooms on the third floor can be booked for two "
+    "hours at the front desk. Children under twelve must be accompanied by an adult after "
+    "five. Printing costs five cents a page in black and white and twenty in colour. "
+    "Lost cards are replaced for two dollars. The library's catalogue is searchable from "
+    "any computer on the ground floor, and librarians can order books from partner "
+    "libraries, which arrive within a week. Food is not allowed anywhere except the cafe "
+    "next to the entrance, which sells coffee, tea and sandwiches until four. Bicycles "
+    "are parked in the rack behind the building, never in the hall. Lockers on the ground "
+    "floor take a coin that comes back when the key is returned. Wireless internet is free "
+    "for members and visitors; the password is printed on the receipt of every loan. The "
+    "library is closed on public holidays, and during the first week of August, when the "
+    "shelves are cleaned and the collection is counted. Donations of books are welcome if "
+    "they are clean and less than ten years old. Now go on "
+    "with the text that follows.\n\n")
+
+
+def test_a_long_shared_prefix_takes_cascade_attention_and_keeps_outputs(monkeypatch, llm,
+                                                                         hf_greedy_tokens):
+    """Prompts that share a ~300-token prefix: the first computes it, the others find it in
+    the prefix cache (in the same step), and the decode steps attend to it once for all
+    rows (cascade attention in the CPU backend). Outputs still equal HF's one by one."""
+    from pagedllm.attention import cpu_paged
+    calls = []
+    real = cpu_paged.prefix_attention
+    monkeypatch.setattr(cpu_paged, "prefix_attention",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(SHARED_PREFIX + p) for p in RAW_PROMPTS]
+    shared = len(tok.encode(SHARED_PREFIX)) - 1
+    assert shared >= cpu_paged.CASCADE_MIN_TOKENS + llm.engine.config.block_size
+    assert all(p[:shared] == prompts[0][:shared] for p in prompts)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert calls and max(calls) >= len(prompts), "the cascade path must run"
+    assert all(o.metrics.num_cached_tokens >= 256 for o in outs[1:])
+    assert [o.token_ids for o in outs] == hf_greedy_tokens(prompts, NEW_TOKENS)
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("settings", [
     dict(enable_prefix_caching=False),
     dict(block_size=256),

@@ -35,13 +35,19 @@ class Batch:
     """Sequences with random K/V laid out in a paged cache through shuffled block tables."""
 
     def __init__(self, rows: list[tuple[int, int]], heads: int, kv_heads: int, dim: int,
-                 block_size: int, dtype: torch.dtype, seed: int) -> None:
+                 block_size: int, dtype: torch.dtype, seed: int, shared_blocks: int = 0) -> None:
+        """shared_blocks: the tables of rows with at least that many blocks cached start
+        with the same blocks, holding the same tokens (a prefix shared through the prefix
+        cache)."""
         gen = torch.Generator().manual_seed(seed)
         self.rows, self.block_size = rows, block_size   # rows: (num cached, num new)
         need = [-(-(c + n) // block_size) for c, n in rows]
         num_blocks = sum(need) + 3
         perm = torch.randperm(num_blocks, generator=gen).tolist()
-        self.tables = [[perm.pop() for _ in range(m)] for m in need]
+        prefix = [perm.pop() for _ in range(shared_blocks)]
+        shared = shared_blocks * block_size
+        self.tables = [prefix + [perm.pop() for _ in range(m - shared_blocks)] if c >= shared
+                       else [perm.pop() for _ in range(m)] for m, (c, _) in zip(need, rows)]
         width = max(need)
         self.block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.tables])
         # Garbage (not zeros) in unused slots: the kernel must never read them.
@@ -50,6 +56,10 @@ class Batch:
         self.k = [torch.randn(c + n, kv_heads, dim, generator=gen).to(dtype) for c, n in rows]
         self.v = [torch.randn(c + n, kv_heads, dim, generator=gen).to(dtype) for c, n in rows]
         self.q = [torch.randn(n, heads, dim, generator=gen).to(dtype) for _, n in rows]
+        for kv in (self.k, self.v):
+            for t, (c, _) in zip(kv[1:], rows[1:]):
+                if c >= shared:
+                    t[:shared] = kv[0][:shared]
         for i, (c, n) in enumerate(rows):  # every token, new ones included, is in the cache
             slots = torch.tensor(self.slots(i, 0, c + n))
             torch_native.store_kvcache(self.k[i], self.v[i], self.k_cache, self.v_cache, slots)
@@ -142,3 +152,59 @@ def test_mixed_batch_decodes_then_chunks_match_torch_native(block_size):
     ref = torch_native.attention(q, k, v, b.k_cache.clone(), b.v_cache.clone(), ctx, scale)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.double(), b.reference(scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def cascade_on_small_batches(monkeypatch):
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_ROWS", 2)
+    monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 40])
+def test_cascade_over_a_shared_prefix_matches_dense(cascade_on_small_batches, dtype, dim):
+    """Rows whose tables start with the same 5 blocks: decodes, then (mixed batch) chunks
+    over the prefix plus a fresh prompt and a long chunk that do not take the kernel. The
+    prefix is attended once for all kernel rows and merged with the rest by log-sum-exp."""
+    heads, kv_heads, block_size, scale = 9, 3, 16, dim ** -0.5
+    rows = [(80, 1), (100, 1), (170, 1), (81, 7), (0, 24), (96, 32), (90, 40)]
+    num_decodes = 3
+    b = Batch(rows, heads, kv_heads, dim, block_size, dtype, seed=11, shared_blocks=5)
+    q = torch.cat(b.q)
+    k = torch.cat([k[c:] for k, (c, _) in zip(b.k, rows)])
+    v = torch.cat([v[c:] for v, (c, _) in zip(b.v, rows)])
+    slots = torch.tensor(sum((b.slots(i, c, c + n) for i, (c, n) in enumerate(rows)), []))
+    ctx = Context(is_prefill=True, num_decodes=num_decodes, slot_mapping=slots,
+                  block_tables=b.block_tables,
+                  context_lens=torch.tensor([c + n for c, n in rows[:num_decodes]]),
+                  seqlens_q=[n for _, n in rows], seqlens_k=[c + n for c, n in rows])
+    ours = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
+    plans = ctx.backend_plans
+    assert plans[("decode", 3)].prefix_blocks.tolist() == b.tables[0][:5]
+    assert plans[("prefill", 3)].rows == [3, 5]
+    assert plans[("prefill", 3)].prefix_blocks.tolist() == b.tables[0][:5]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.double(), b.reference(scale), atol=tol, rtol=tol)
+    # And without the cascade (below its thresholds), the same result.
+    ctx.backend_plans.clear()
+    cpu_paged.CASCADE_MIN_ROWS = 100
+    plain = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
+    assert ctx.backend_plans[("decode", 3)].prefix_blocks is None
+    torch.testing.assert_close(ours.double(), plain.double(), atol=tol, rtol=tol)
+
+
+def test_cascade_takes_only_the_blocks_every_row_shares(cascade_on_small_batches):
+    """Tables that agree on 3 blocks, then one row departs: the prefix is 3 blocks; a row
+    whose new tokens start inside the shared blocks limits it to the blocks before them."""
+    tables = torch.tensor([[7, 8, 9, 1, 2], [7, 8, 9, 4, 5], [7, 8, 9, 3, 6]])
+    plan = cpu_paged.plan_kernel_rows([0, 1, 2], tables, [0, 1, 2], [1, 1, 1], [80, 80, 80], 16)
+    assert plan.prefix_blocks.tolist() == [7, 8, 9]
+    assert plan.tables.tolist() == [[1, 2], [4, 5], [3, 6]]
+    assert plan.k_lens.tolist() == [32, 32, 32]
+    plan = cpu_paged.plan_kernel_rows([0, 1, 2], tables, [0, 1, 2], [1, 1, 1], [80, 80, 40], 16)
+    assert plan.prefix_blocks.tolist() == [7, 8]
+    plan = cpu_paged.plan_kernel_rows([0, 1, 2], tables, [0, 1, 2], [1, 1, 1], [80, 80, 20], 16)
+    assert plan.prefix_blocks is None and plan.k_lens.tolist() == [80, 80, 20]
+    other = torch.tensor([[7, 8, 9], [1, 8, 9]])
+    assert cpu_paged.plan_kernel_rows([0, 1], other, [0, 1], [1, 1], [48, 48],
+                                      16).prefix_blocks is None
