@@ -200,52 +200,66 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor x, const at::Tenso
                           rotary_rows<scalar>(positions, x, cos, sin));
 }
 
-// Index of each row's largest value, the first one on ties, NaN counting as largest (as
-// torch.argmax). torch's own takes 3.5 ms for 64 rows of a 49k vocabulary here.
+}  // namespace pagedllm
+
+namespace {
+
+// Index of the largest of row[0:v], the first one on ties, NaN counting as largest (as
+// torch.argmax). Widening bf16 / fp16 to fp32 is exact, so the order is the same.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t v) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(m);
+  __mmask16 unord = 0;
+  for (; i + 16 <= v; i += 16) {
+    const __m512 x = pagedllm::load16(row + i);
+    unord |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    mv = _mm512_max_ps(mv, x);
+  }
+  m = _mm512_reduce_max_ps(mv);
+  nan = unord != 0;
+#endif
+  for (; i < v; ++i) {
+    const float x = static_cast<float>(row[i]);
+    m = x > m ? x : m;
+    nan |= x != x;
+  }
+  i = 0;
+#if defined(__AVX512F__)
+  if (!nan) {  // the first position equal to the maximum
+    const __m512 target = _mm512_set1_ps(m);
+    for (; i + 16 <= v; i += 16)
+      if (_mm512_cmp_ps_mask(pagedllm::load16(row + i), target, _CMP_EQ_OQ)) break;
+  }
+#endif
+  for (; i < v; ++i) {
+    const float x = static_cast<float>(row[i]);
+    if (nan ? x != x : x == m) return i;
+  }
+  return 0;
+}
+
+}  // namespace
+
+namespace pagedllm {
+
+// Index of each row's largest value (argmax_row), for float32, bfloat16 and float16 logits:
+// torch's own takes 3.5 ms for 64 rows of a 49k vocabulary here, and greedy sampling of
+// bf16 logits need not widen them all to fp32 first (2.3 ms more at 64 rows).
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "x must be float32 [B, V] with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [B, V] with contiguous rows");
   const int64_t rows = x.size(0), v = x.size(1), xs = x.stride(0);
   TORCH_CHECK(v > 0, "argmax of an empty row");
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * xs;
-      float m = -std::numeric_limits<float>::infinity();
-      bool nan = false;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 mv = _mm512_set1_ps(m);
-      __mmask16 unord = 0;
-      for (; i + 16 <= v; i += 16) {
-        const __m512 x = _mm512_loadu_ps(row + i);
-        unord |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        mv = _mm512_max_ps(mv, x);
-      }
-      m = _mm512_reduce_max_ps(mv);
-      nan = unord != 0;
-#endif
-      for (; i < v; ++i) {
-        m = row[i] > m ? row[i] : m;
-        nan |= row[i] != row[i];
-      }
-      int64_t best = 0;
-      i = 0;
-#if defined(__AVX512F__)
-      if (!nan) {  // the first position equal to the maximum
-        const __m512 target = _mm512_set1_ps(m);
-        for (; i + 16 <= v; i += 16) {
-          const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
-          if (eq) break;
-        }
-      }
-#endif
-      for (; i < v; ++i)
-        if (nan ? row[i] != row[i] : row[i] == m) { best = i; break; }
-      op[r] = best;
-    }
+  PAGEDLLM_DISPATCH_FLOAT(x.scalar_type(), "argmax_rows", {
+    const scalar* xp = x.data_ptr<scalar>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * xs, v);
+    });
   });
   return out;
 }

@@ -78,16 +78,21 @@ def test_rotary_in_place_on_a_strided_view(dtype):
         ext.rotary_embedding(torch.tensor([4096]), qk[:1], rope.cos_cache, rope.sin_cache)
 
 
-def test_argmax_first_index_on_ties_and_nan_like_torch():
-    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_first_index_on_ties_and_nan_like_torch(dtype):
+    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
     x[3, 10] = x[3, 500] = x[3].max() + 1  # a tie: the first index wins
+    x[4, 40000] = x[4, 40001] = x[4].max() + 1  # a tie after the first vector's
     x[5, 7] = float("nan")
     x[6] = float("-inf")
     assert torch.equal(ext.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(ext.argmax_rows(x), x.float().argmax(-1))  # widening keeps the order
     for width in (1, 7, 16, 33):  # the vector loop's tail
-        y = torch.randn(6, width, generator=torch.Generator().manual_seed(width))
+        y = torch.randn(6, width, generator=torch.Generator().manual_seed(width)).to(dtype)
         y[1, -1] = y[1].max() + 1
         assert torch.equal(ext.argmax_rows(y), y.argmax(-1))
+    with pytest.raises(RuntimeError, match="supports float32, bfloat16 and float16"):
+        ext.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
 
 
 def test_pagedllm_cpu_kernels_0_turns_every_kernel_off():
