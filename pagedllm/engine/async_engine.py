@@ -87,6 +87,9 @@ class AsyncLLM:
         self.step_observers: list[StepObserver] = []
         self.abort_observers: list[Callable[[str], None]] = []
         self.dead_error: BaseException | None = None
+        self.crashed = False  # the loop died of an error (not an orderly shutdown)
+        # Called from the engine thread after a crash, once every caller has its error.
+        self.on_death: Callable[[BaseException], None] | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _RequestStream] = {}   # engine thread only
         self._pending_adds = 0                            # submitted, not yet in the engine
@@ -200,9 +203,12 @@ class AsyncLLM:
         except BaseException as e:  # noqa: BLE001 - whatever killed the loop is reported
             logger.exception("engine loop died")
             error = e
+            self.crashed = True
         self._die(error)
         # The thread that ran the steps also stops the tensor-parallel workers (no-op at TP=1).
         self.engine.shutdown()
+        if self.crashed and self.on_death is not None:
+            self.on_death(error)
 
     def _step(self) -> None:
         outputs = self.engine.step()

@@ -73,11 +73,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name,
                           max_body_bytes=args.max_body_bytes,
-                          max_waiting_requests=args.max_waiting_requests)
+                          max_waiting_requests=args.max_waiting_requests,
+                          keep_alive_on_engine_death=args.keep_alive_on_engine_death)
     engine = AsyncLLM.from_config(EngineConfig.from_cli_args(args, model=model),
                                   max_waiting_requests=server.max_waiting_requests)
-    run_server(engine, server, server.served_model_name or _model_name(model))
-    return 0
+    return run_server(engine, server, server.served_model_name or _model_name(model))
 
 
 def _model_name(model: str | None) -> str:
@@ -102,6 +102,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond which new ones get 503 + Retry-After (default: 256)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger ones get 413 (default: 1 MiB)")
+    g.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   help="if the engine dies, keep answering 503 instead of exiting with code 1 "
+                        "(the default, so that a supervisor restarts the server)")
 
 
 def build_parser() -> argparse.ArgumentParser:

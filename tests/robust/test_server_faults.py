@@ -4,8 +4,10 @@
   error event in the stream); the next requests are served with HF transformers' greedy
   tokens, and no block is leaked.
 * One request whose detokenizer raises, among concurrent ones: it alone gets the 500.
-* The engine core raising outside a batch: the engine stops; requests in flight and new
-  ones get 503 promptly (never a hang) and /health says 503.
+* The engine core raising outside a batch: the engine stops and requests in flight get an
+  error promptly (never a hang); then the process exits with code 1 and says why (so that a
+  supervisor restarts it, as vLLM's server does), or, with --keep-alive-on-engine-death,
+  stays up answering 503 (and /health 503).
 """
 from __future__ import annotations
 
@@ -90,9 +92,32 @@ def test_detokenizer_fault_fails_only_its_request(faulty_server, hf_greedy):
     assert blocks_used(faulty_server.url) == 0
 
 
-def test_engine_core_crash_gives_503_and_never_hangs(start_server, tiny_gguf):
+def test_engine_core_crash_fails_requests_then_the_server_exits_with_1(start_server, tiny_gguf):
+    import time
     from test_soak import TINY_SERVER
-    server = start_with_faults(start_server, "core-crash", "core@5", [str(tiny_gguf), *TINY_SERVER])
+    server = start_with_faults(start_server, "core-crash-exit", "core@5",
+                               [str(tiny_gguf), *TINY_SERVER])
+    try:
+        body = {"prompt": "hello", "max_tokens": 32, "ignore_eos": True}
+        in_flight = asyncio.run(post_all(server.url, [body, body]))   # steps 1..5: the crash
+        for r in in_flight:
+            assert r.status_code in (500, 503), r.text
+            assert "engine" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.proc.returncode == 1, f"the server did not exit with 1:\n{server.log()}"
+        log = server.log()
+        assert "engine stopped: scheduling failed: InjectedFault: injected fault in core" in log
+        assert "the engine died" in log and "the server stops" in log
+    finally:
+        server.stop()
+
+
+def test_engine_core_crash_with_keep_alive_gives_503_and_never_hangs(start_server, tiny_gguf):
+    from test_soak import TINY_SERVER
+    server = start_with_faults(start_server, "core-crash", "core@5",
+                               [str(tiny_gguf), *TINY_SERVER, "--keep-alive-on-engine-death"])
     try:
         body = {"prompt": "hello", "max_tokens": 32, "ignore_eos": True}
         in_flight = asyncio.run(post_all(server.url, [body, body]))   # steps 1..5: the crash

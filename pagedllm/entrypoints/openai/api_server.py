@@ -39,6 +39,9 @@ class ServerConfig:
     served_model_name: str | None = None
     max_body_bytes: int = 1 << 20
     max_waiting_requests: int = 256
+    # After the engine dies the process exits (code 1) so that a supervisor restarts it, as
+    # vLLM does; with this set it stays up answering 503 (and /health 503) instead.
+    keep_alive_on_engine_death: bool = False
 
 
 class BodySizeLimit:
@@ -204,10 +207,20 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
     return guarded  # type: ignore[return-value]
 
 
-def run_server(engine: AsyncLLM, config: ServerConfig, model_name: str) -> None:
+def run_server(engine: AsyncLLM, config: ServerConfig, model_name: str) -> int:
+    """Serve until stopped; the exit code: 1 if the engine died, else 0."""
     import uvicorn
     app = create_app(engine, config, model_name)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    if not config.keep_alive_on_engine_death:
+        def on_death(error: BaseException) -> None:
+            logger.error("the engine died (%r): the server stops, so that whatever supervises "
+                         "it can start it again (--keep-alive-on-engine-death keeps it up, "
+                         "answering 503)", error)
+            server.should_exit = True  # uvicorn polls it; open requests get their errors first
+        engine.on_death = on_death
     logger.info("serving %s on http://%s:%d (page at /, OpenAI API at /v1)", model_name,
                 config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    server.run()
+    return 1 if engine.crashed else 0
