@@ -92,17 +92,23 @@ def test_detokenizer_fault_fails_only_its_request(faulty_server, hf_greedy):
     assert blocks_used(faulty_server.url) == 0
 
 
+def crash_with_requests_in_flight(server) -> dict:
+    """Two requests run while the injected fault kills the engine core at step 5: both get
+    an error that names the engine. Returns their body."""
+    body = {"prompt": "hello", "max_tokens": 32, "ignore_eos": True}
+    for r in asyncio.run(post_all(server.url, [body, body])):
+        assert r.status_code in (500, 503), r.text
+        assert "engine" in r.json()["error"]["message"]
+    return body
+
+
 def test_engine_core_crash_fails_requests_then_the_server_exits_with_1(start_server, tiny_gguf):
     import time
     from test_soak import TINY_SERVER
     server = start_with_faults(start_server, "core-crash-exit", "core@5",
                                [str(tiny_gguf), *TINY_SERVER])
     try:
-        body = {"prompt": "hello", "max_tokens": 32, "ignore_eos": True}
-        in_flight = asyncio.run(post_all(server.url, [body, body]))   # steps 1..5: the crash
-        for r in in_flight:
-            assert r.status_code in (500, 503), r.text
-            assert "engine" in r.json()["error"]["message"]
+        crash_with_requests_in_flight(server)
         deadline = time.monotonic() + 60
         while server.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -119,11 +125,7 @@ def test_engine_core_crash_with_keep_alive_gives_503_and_never_hangs(start_serve
     server = start_with_faults(start_server, "core-crash", "core@5",
                                [str(tiny_gguf), *TINY_SERVER, "--keep-alive-on-engine-death"])
     try:
-        body = {"prompt": "hello", "max_tokens": 32, "ignore_eos": True}
-        in_flight = asyncio.run(post_all(server.url, [body, body]))   # steps 1..5: the crash
-        for r in in_flight:
-            assert r.status_code in (500, 503), r.text
-            assert "engine" in r.json()["error"]["message"]
+        body = crash_with_requests_in_flight(server)
         after = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert after.status_code == 503 and after.headers.get("retry-after"), after.text
         assert httpx.get(server.url + "/health", timeout=60).status_code == 503

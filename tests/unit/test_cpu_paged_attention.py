@@ -71,6 +71,20 @@ class Batch:
     def reference(self, scale: float) -> torch.Tensor:
         return torch.cat([dense(q, k, v, scale) for q, k, v in zip(self.q, self.k, self.v)])
 
+    def step(self, num_decodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Context]:
+        """q, k, v of every row's new tokens and the Context of a step computing them (the
+        first num_decodes rows are decodes), as ModelRunner.prepare_inputs builds it."""
+        rows = self.rows
+        q = torch.cat(self.q)
+        k = torch.cat([k[c:] for k, (c, _) in zip(self.k, rows)])
+        v = torch.cat([v[c:] for v, (c, _) in zip(self.v, rows)])
+        slots = torch.tensor(sum((self.slots(i, c, c + n) for i, (c, n) in enumerate(rows)), []))
+        ctx = Context(is_prefill=True, num_decodes=num_decodes, slot_mapping=slots,
+                      block_tables=self.block_tables,
+                      context_lens=torch.tensor([c + n for c, n in rows[:num_decodes]]),
+                      seqlens_q=[n for _, n in rows], seqlens_k=[c + n for c, n in rows])
+        return q, k, v, ctx
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 256])
@@ -140,14 +154,7 @@ def test_mixed_batch_decodes_then_chunks_match_torch_native(block_size):
     rows = [(40, 1), (300, 1), (48, 16), (64, 64), (0, 24)]
     num_decodes = 2
     b = Batch(rows, heads, kv_heads, dim, block_size, torch.float32, seed=9)
-    q = torch.cat(b.q)
-    k = torch.cat([k[c:] for k, (c, _) in zip(b.k, rows)])
-    v = torch.cat([v[c:] for v, (c, _) in zip(b.v, rows)])
-    slots = torch.tensor(sum((b.slots(i, c, c + n) for i, (c, n) in enumerate(rows)), []))
-    ctx = Context(is_prefill=True, num_decodes=num_decodes, slot_mapping=slots,
-                  block_tables=b.block_tables,
-                  context_lens=torch.tensor([c + n for c, n in rows[:num_decodes]]),
-                  seqlens_q=[n for _, n in rows], seqlens_k=[c + n for c, n in rows])
+    q, k, v, ctx = b.step(num_decodes)
     ours = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
     ref = torch_native.attention(q, k, v, b.k_cache.clone(), b.v_cache.clone(), ctx, scale)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
@@ -170,14 +177,7 @@ def test_cascade_over_a_shared_prefix_matches_dense(cascade_on_small_batches, dt
     rows = [(80, 1), (100, 1), (170, 1), (81, 7), (0, 24), (96, 32), (90, 40)]
     num_decodes = 3
     b = Batch(rows, heads, kv_heads, dim, block_size, dtype, seed=11, shared_blocks=5)
-    q = torch.cat(b.q)
-    k = torch.cat([k[c:] for k, (c, _) in zip(b.k, rows)])
-    v = torch.cat([v[c:] for v, (c, _) in zip(b.v, rows)])
-    slots = torch.tensor(sum((b.slots(i, c, c + n) for i, (c, n) in enumerate(rows)), []))
-    ctx = Context(is_prefill=True, num_decodes=num_decodes, slot_mapping=slots,
-                  block_tables=b.block_tables,
-                  context_lens=torch.tensor([c + n for c, n in rows[:num_decodes]]),
-                  seqlens_q=[n for _, n in rows], seqlens_k=[c + n for c, n in rows])
+    q, k, v, ctx = b.step(num_decodes)
     ours = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
     plans = ctx.backend_plans
     assert plans[("decode", 3)].prefix_blocks.tolist() == b.tables[0][:5]
