@@ -10,11 +10,13 @@ Per row of the batch (num cached tokens, num new tokens): rows with few new toke
 takes torch's flash attention over its own new tokens; a long chunk over a cached prefix
 gathers its context once and takes torch's SDPA (the gather is amortised over the chunk).
 
-Cascade attention: when the kernel's rows all begin with the same blocks (a prompt prefix
-they share through the prefix cache), attention over those blocks runs once for all their
-queries as one dense flash-attention call (the prefix is read once per layer instead of
-once per row, and the matmuls run on the CPU's matrix units), and the kernel reads only
-each row's own blocks, merging the two parts by their log-sum-exp.
+Cascade attention: when several of the kernel's rows begin with the same blocks (a prompt
+prefix they share through the prefix cache, e.g. a system prompt), attention over those
+blocks runs once for all their queries as one dense flash-attention call (the prefix is
+read once per layer instead of once per row, and the matmuls run on the CPU's matrix
+units), and the kernel reads only each row's own blocks, merging the two parts by their
+log-sum-exp. Rows are grouped by their first block, so several prefixes can each have
+their group.
 """
 from __future__ import annotations
 
@@ -54,41 +56,73 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Blocks that a group of kernel rows all start with."""
+
+    blocks: torch.Tensor
+    tokens: torch.Tensor | None  # the group's query tokens in q (None: all of q, in order)
+
+
+@dataclass(frozen=True)
 class KernelRows:
     """The rows of one step that take the kernel, worked out once per step."""
 
     rows: list[int]            # indices into the context's rows
-    tables: torch.Tensor       # their block tables (without the shared prefix, if any)
+    tables: torch.Tensor       # their block tables, each without its shared prefix if any
     q_starts: torch.Tensor     # where each row's new tokens start in q
     q_lens: torch.Tensor
-    k_lens: torch.Tensor       # keys per row (without the shared prefix, if any)
-    prefix_blocks: torch.Tensor | None = None  # the blocks every row starts with (cascade)
-    prefix_tokens: torch.Tensor | None = None  # the rows' tokens in q (cascade, if not all)
+    k_lens: torch.Tensor       # keys per row, without its shared prefix if any
+    prefixes: tuple[SharedPrefix, ...] = ()  # cascade attention's shared prefixes
+
+
+def _shared_blocks(tables: torch.Tensor, q_lens: list[int], k_lens: list[int],
+                   block_size: int) -> int:
+    """Whole blocks that every table starts with and that lie before every row's first new
+    token; 0 if fewer than CASCADE_MIN_TOKENS tokens' worth."""
+    shared = min(k - q for q, k in zip(q_lens, k_lens)) // block_size
+    if shared * block_size >= CASCADE_MIN_TOKENS:
+        differs = (~(tables[:, :shared] == tables[:1, :shared]).all(0)).nonzero()
+        shared = int(differs[0]) if len(differs) else shared
+    return shared if shared * block_size >= CASCADE_MIN_TOKENS else 0
 
 
 def plan_kernel_rows(rows: list[int], tables: torch.Tensor, q_starts: list[int],
                      q_lens: list[int], k_lens: list[int], block_size: int) -> KernelRows:
-    """The kernel's inputs for these rows; with a long enough prefix of whole blocks that
-    every row's table starts with and that lies before every row's first new token, a
-    cascade: the prefix is cut off the tables and attended separately."""
+    """The kernel's inputs for these rows. Rows that start with the same block form a
+    group; a group of at least CASCADE_MIN_ROWS rows whose tables share a long enough run
+    of whole blocks before every row's first new token (_shared_blocks) is a cascade: the
+    run is cut off its rows' tables and attended separately, once for the group."""
     as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
-    shared = 0
+    skip = [0] * len(rows)   # each row's shared blocks
+    groups: dict[int, list[int]] = {}
     if len(rows) >= CASCADE_MIN_ROWS:
-        shared = min(k - q for q, k in zip(q_lens, k_lens)) // block_size
-        if shared * block_size >= CASCADE_MIN_TOKENS:
-            same = (tables[:, :shared] == tables[:1, :shared]).all(0)
-            differs = (~same).nonzero()
-            shared = int(differs[0]) if len(differs) else shared
-    if shared * block_size < CASCADE_MIN_TOKENS:
+        for i, first in enumerate(tables[:, 0].tolist()):
+            groups.setdefault(first, []).append(i)
+    prefixes = []
+    for members in groups.values():
+        if len(members) < CASCADE_MIN_ROWS:
+            continue
+        shared = _shared_blocks(tables[members], [q_lens[i] for i in members],
+                                [k_lens[i] for i in members], block_size)
+        if not shared:
+            continue
+        for i in members:
+            skip[i] = shared
+        tokens = None
+        if len(members) < len(rows) or q_starts != list(range(len(rows))):
+            tokens = torch.cat([torch.arange(q_starts[i], q_starts[i] + q_lens[i])
+                                for i in members])
+        prefixes.append(SharedPrefix(tables[members[0], :shared].clone(), tokens))
+    if not prefixes:
         return KernelRows(rows, tables.contiguous(), as_tensor(q_starts), as_tensor(q_lens),
                           as_tensor(k_lens))
-    prefix_len = shared * block_size
-    tokens = None
-    if q_starts != list(range(len(rows))):  # not the decode rows at the front of q
-        tokens = torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, q_lens)])
-    return KernelRows(rows, tables[:, shared:].contiguous(), as_tensor(q_starts),
-                      as_tensor(q_lens), as_tensor([k - prefix_len for k in k_lens]),
-                      prefix_blocks=tables[0, :shared].clone(), prefix_tokens=tokens)
+    # Each row's table shifted left by its shared blocks (-1 padded on the right).
+    width = tables.shape[1]
+    shift = as_tensor(skip)[:, None] + torch.arange(width)
+    shifted = tables.gather(1, shift.clamp_max(width - 1)).masked_fill(shift >= width, -1)
+    return KernelRows(rows, shifted, as_tensor(q_starts), as_tensor(q_lens),
+                      as_tensor([k - n * block_size for k, n in zip(k_lens, skip)]),
+                      tuple(prefixes))
 
 
 def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -116,18 +150,21 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def kernel_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, plan: KernelRows, scale: float) -> None:
-    """The plan's rows' tokens of out, as a cascade if the plan has a shared prefix."""
+    """The plan's rows' tokens of out, as a cascade if the plan has shared prefixes."""
     prefix_out = prefix_lse = None
-    if plan.prefix_blocks is not None:
-        if plan.prefix_tokens is None:
-            prefix_out, prefix_lse = prefix_attention(q, k_cache, v_cache, plan.prefix_blocks, scale)
-        else:
-            part_out, part_lse = prefix_attention(q[plan.prefix_tokens], k_cache, v_cache,
-                                                  plan.prefix_blocks, scale)
-            prefix_out = torch.empty_like(q)
-            prefix_lse = torch.empty(q.shape[:2], dtype=torch.float32)
-            prefix_out[plan.prefix_tokens] = part_out
-            prefix_lse[plan.prefix_tokens] = part_lse
+    if len(plan.prefixes) == 1 and plan.prefixes[0].tokens is None:  # every row, all of q
+        prefix_out, prefix_lse = prefix_attention(q, k_cache, v_cache, plan.prefixes[0].blocks,
+                                                  scale)
+    elif plan.prefixes:
+        # Tokens of rows outside every group merge with nothing: weight 0 (lse -inf), and
+        # zeros rather than garbage (0 * NaN would be NaN).
+        prefix_out = torch.zeros_like(q)
+        prefix_lse = torch.full(q.shape[:2], float("-inf"))
+        for prefix in plan.prefixes:
+            part_out, part_lse = prefix_attention(q[prefix.tokens], k_cache, v_cache,
+                                                  prefix.blocks, scale)
+            prefix_out[prefix.tokens] = part_out
+            prefix_lse[prefix.tokens] = part_lse
     paged_attention(out, q, k_cache, v_cache, plan.tables, plan.q_starts, plan.q_lens,
                     plan.k_lens, scale, prefix_out, prefix_lse)
 

@@ -35,19 +35,23 @@ class Batch:
     """Sequences with random K/V laid out in a paged cache through shuffled block tables."""
 
     def __init__(self, rows: list[tuple[int, int]], heads: int, kv_heads: int, dim: int,
-                 block_size: int, dtype: torch.dtype, seed: int, shared_blocks: int = 0) -> None:
-        """shared_blocks: the tables of rows with at least that many blocks cached start
-        with the same blocks, holding the same tokens (a prefix shared through the prefix
-        cache)."""
+                 block_size: int, dtype: torch.dtype, seed: int, shared_blocks: int = 0,
+                 groups: list[int | None] | None = None) -> None:
+        """Rows of the same group (groups[i]; by default group 0 = every row with at least
+        shared_blocks blocks cached) start their tables with the same shared_blocks blocks,
+        holding the same tokens: a prefix shared through the prefix cache."""
         gen = torch.Generator().manual_seed(seed)
         self.rows, self.block_size = rows, block_size   # rows: (num cached, num new)
         need = [-(-(c + n) // block_size) for c, n in rows]
         num_blocks = sum(need) + 3
         perm = torch.randperm(num_blocks, generator=gen).tolist()
-        prefix = [perm.pop() for _ in range(shared_blocks)]
         shared = shared_blocks * block_size
-        self.tables = [prefix + [perm.pop() for _ in range(m - shared_blocks)] if c >= shared
-                       else [perm.pop() for _ in range(m)] for m, (c, _) in zip(need, rows)]
+        if groups is None:
+            groups = [0 if shared_blocks and c >= shared else None for c, _ in rows]
+        prefixes = {g: [perm.pop() for _ in range(shared_blocks)] for g in set(groups) - {None}}
+        self.tables = [prefixes[g] + [perm.pop() for _ in range(m - shared_blocks)]
+                       if g is not None else [perm.pop() for _ in range(m)]
+                       for m, g in zip(need, groups)]
         width = max(need)
         self.block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.tables])
         # Garbage (not zeros) in unused slots: the kernel must never read them.
@@ -56,10 +60,11 @@ class Batch:
         self.k = [torch.randn(c + n, kv_heads, dim, generator=gen).to(dtype) for c, n in rows]
         self.v = [torch.randn(c + n, kv_heads, dim, generator=gen).to(dtype) for c, n in rows]
         self.q = [torch.randn(n, heads, dim, generator=gen).to(dtype) for _, n in rows]
+        first = {g: groups.index(g) for g in prefixes}
         for kv in (self.k, self.v):
-            for t, (c, _) in zip(kv[1:], rows[1:]):
-                if c >= shared:
-                    t[:shared] = kv[0][:shared]
+            for i, g in enumerate(groups):
+                if g is not None:
+                    kv[i][:shared] = kv[first[g]][:shared]
         for i, (c, n) in enumerate(rows):  # every token, new ones included, is in the cache
             slots = torch.tensor(self.slots(i, 0, c + n))
             torch_native.store_kvcache(self.k[i], self.v[i], self.k_cache, self.v_cache, slots)
@@ -167,6 +172,10 @@ def cascade_on_small_batches(monkeypatch):
     monkeypatch.setattr(cpu_paged, "CASCADE_MIN_TOKENS", 32)
 
 
+def prefix_blocks(plan: cpu_paged.KernelRows) -> list[list[int]]:
+    return [p.blocks.tolist() for p in plan.prefixes]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 40])
 def test_cascade_over_a_shared_prefix_matches_dense(cascade_on_small_batches, dtype, dim):
@@ -180,17 +189,36 @@ def test_cascade_over_a_shared_prefix_matches_dense(cascade_on_small_batches, dt
     q, k, v, ctx = b.step(num_decodes)
     ours = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
     plans = ctx.backend_plans
-    assert plans[("decode", 3)].prefix_blocks.tolist() == b.tables[0][:5]
+    assert prefix_blocks(plans[("decode", 3)]) == [b.tables[0][:5]]
     assert plans[("prefill", 3)].rows == [3, 5]
-    assert plans[("prefill", 3)].prefix_blocks.tolist() == b.tables[0][:5]
+    assert prefix_blocks(plans[("prefill", 3)]) == [b.tables[0][:5]]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.double(), b.reference(scale), atol=tol, rtol=tol)
     # And without the cascade (below its thresholds), the same result.
     ctx.backend_plans.clear()
     cpu_paged.CASCADE_MIN_ROWS = 100
     plain = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
-    assert ctx.backend_plans[("decode", 3)].prefix_blocks is None
+    assert not plans[("decode", 3)].prefixes
     torch.testing.assert_close(ours.double(), plain.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_with_two_prefix_groups_and_a_row_of_its_own(cascade_on_small_batches, dtype):
+    """Decode rows in two groups (two system prompts, 4 blocks each) and one row sharing
+    nothing: each group's prefix is attended once, the lone row takes the kernel alone."""
+    heads, kv_heads, dim, block_size, scale = 9, 3, 64, 16, 0.125
+    rows = [(70, 1), (90, 1), (100, 1), (64, 1), (130, 1), (75, 1)]
+    groups = [0, 1, 0, None, 1, 0]
+    b = Batch(rows, heads, kv_heads, dim, block_size, dtype, seed=13, shared_blocks=4,
+              groups=groups)
+    q, k, v, ctx = b.step(num_decodes=len(rows))
+    ctx.is_prefill = False
+    ours = cpu_paged.attention(q, k, v, b.k_cache, b.v_cache, ctx, scale)
+    plan = ctx.backend_plans[("decode", len(rows))]
+    assert sorted(prefix_blocks(plan)) == sorted([b.tables[0][:4], b.tables[1][:4]])
+    assert plan.k_lens.tolist() == [7, 27, 37, 65, 67, 12]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.double(), b.reference(scale), atol=tol, rtol=tol)
 
 
 def test_cascade_takes_only_the_blocks_every_row_shares(cascade_on_small_batches):
@@ -198,13 +226,12 @@ def test_cascade_takes_only_the_blocks_every_row_shares(cascade_on_small_batches
     whose new tokens start inside the shared blocks limits it to the blocks before them."""
     tables = torch.tensor([[7, 8, 9, 1, 2], [7, 8, 9, 4, 5], [7, 8, 9, 3, 6]])
     plan = cpu_paged.plan_kernel_rows([0, 1, 2], tables, [0, 1, 2], [1, 1, 1], [80, 80, 80], 16)
-    assert plan.prefix_blocks.tolist() == [7, 8, 9]
-    assert plan.tables.tolist() == [[1, 2], [4, 5], [3, 6]]
+    assert prefix_blocks(plan) == [[7, 8, 9]]
+    assert plan.tables.tolist() == [[1, 2, -1, -1, -1], [4, 5, -1, -1, -1], [3, 6, -1, -1, -1]]
     assert plan.k_lens.tolist() == [32, 32, 32]
     plan = cpu_paged.plan_kernel_rows([0, 1, 2], tables, [0, 1, 2], [1, 1, 1], [80, 80, 40], 16)
-    assert plan.prefix_blocks.tolist() == [7, 8]
+    assert prefix_blocks(plan) == [[7, 8]]
     plan = cpu_paged.plan_kernel_rows([0, 1, 2], tables, [0, 1, 2], [1, 1, 1], [80, 80, 20], 16)
-    assert plan.prefix_blocks is None and plan.k_lens.tolist() == [80, 80, 20]
+    assert not plan.prefixes and plan.k_lens.tolist() == [80, 80, 20]
     other = torch.tensor([[7, 8, 9], [1, 8, 9]])
-    assert cpu_paged.plan_kernel_rows([0, 1], other, [0, 1], [1, 1], [48, 48],
-                                      16).prefix_blocks is None
+    assert not cpu_paged.plan_kernel_rows([0, 1], other, [0, 1], [1, 1], [48, 48], 16).prefixes
