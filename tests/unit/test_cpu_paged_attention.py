@@ -235,3 +235,21 @@ def test_cascade_takes_only_the_blocks_every_row_shares(cascade_on_small_batches
     assert not plan.prefixes and plan.k_lens.tolist() == [80, 80, 20]
     other = torch.tensor([[7, 8, 9], [1, 8, 9]])
     assert not cpu_paged.plan_kernel_rows([0, 1], other, [0, 1], [1, 1], [48, 48], 16).prefixes
+
+
+def test_adjacent_prefix_blocks_are_read_as_a_view_with_the_same_result():
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(12, 16, 3, 64, generator=gen)
+    v_cache = torch.randn(12, 16, 3, 64, generator=gen)
+    q = torch.randn(5, 9, 64, generator=gen)
+    adjacent = cpu_paged.SharedPrefix(torch.tensor([4, 5, 6]), None)
+    assert adjacent.cache_index == slice(4, 7)
+    assert isinstance(cpu_paged.SharedPrefix(torch.tensor([4, 6, 5]), None).cache_index,
+                      torch.Tensor)
+    as_view = cpu_paged.prefix_attention(q, k_cache, v_cache, slice(4, 7), 0.125)
+    as_copy = cpu_paged.prefix_attention(q, k_cache, v_cache, torch.tensor([4, 5, 6]), 0.125)
+    for a, b in zip(as_view, as_copy):
+        assert torch.equal(a, b)
+    keys = k_cache[4:7].flatten(0, 1).double()   # [48, 3, 64]
+    scores = torch.einsum("thd,khd->thk", q.double(), keys.repeat_interleave(3, 1)) * 0.125
+    torch.testing.assert_close(as_view[1].double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
