@@ -66,7 +66,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.async_engine import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import ServerConfig, run_server
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, bind_socket, run_server
     from pagedllm.logger import init_logging
     init_logging()
     model = args.model_path or args.model
@@ -75,9 +75,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_body_bytes=args.max_body_bytes,
                           max_waiting_requests=args.max_waiting_requests,
                           keep_alive_on_engine_death=args.keep_alive_on_engine_death)
-    engine = AsyncLLM.from_config(EngineConfig.from_cli_args(args, model=model),
-                                  max_waiting_requests=server.max_waiting_requests)
-    return run_server(engine, server, server.served_model_name or _model_name(model))
+    sock = bind_socket(server)  # before the model loads: a port in use fails at once
+    try:
+        engine = AsyncLLM.from_config(EngineConfig.from_cli_args(args, model=model),
+                                      max_waiting_requests=server.max_waiting_requests)
+        return run_server(engine, server, server.served_model_name or _model_name(model), sock)
+    finally:
+        sock.close()
 
 
 def _model_name(model: str | None) -> str:

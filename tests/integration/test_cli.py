@@ -31,3 +31,17 @@ def test_bad_flag_value_is_a_clear_error():
     r = run(["generate", "hi", "--block-size", "0", *ENGINE])
     assert r.returncode == 2
     assert "block_size must be a positive integer" in r.stderr
+
+
+def test_serve_on_a_port_in_use_fails_at_once_before_loading_the_model():
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(BASE + ["serve", "--port", str(port), *ENGINE], capture_output=True,
+                           text=True, timeout=120,
+                           env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"})
+    assert r.returncode == 2, r.stderr
+    assert f"pagedllm: error: cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "loaded" not in r.stderr  # the model was never loaded

@@ -5,6 +5,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -207,8 +208,25 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
     return guarded  # type: ignore[return-value]
 
 
-def run_server(engine: AsyncLLM, config: ServerConfig, model_name: str) -> int:
-    """Serve until stopped; the exit code: 1 if the engine died, else 0."""
+def bind_socket(config: ServerConfig) -> socket.socket:
+    """The server's socket, bound before the engine starts: a port in use fails at once,
+    not after the model has loaded, and nothing the engine opens meanwhile (the
+    tensor-parallel rendezvous, gloo's connections on ephemeral ports) can take the port."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+    return sock
+
+
+def run_server(engine: AsyncLLM, config: ServerConfig, model_name: str,
+               sock: socket.socket | None = None) -> int:
+    """Serve (on sock, if bound already) until stopped; the exit code: 1 if the engine
+    died, else 0."""
     import uvicorn
     app = create_app(engine, config, model_name)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
@@ -222,5 +240,5 @@ def run_server(engine: AsyncLLM, config: ServerConfig, model_name: str) -> int:
         engine.on_death = on_death
     logger.info("serving %s on http://%s:%d (page at /, OpenAI API at /v1)", model_name,
                 config.host, config.port)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return 1 if engine.crashed else 0
