@@ -121,14 +121,11 @@ def plan_kernel_rows(rows: list[int], tables: torch.Tensor, q_starts: list[int],
             tokens = torch.cat([torch.arange(q_starts[i], q_starts[i] + q_lens[i])
                                 for i in members])
         prefixes.append(SharedPrefix(tables[members[0], :shared].clone(), tokens))
-    if not prefixes:
-        return KernelRows(rows, tables.contiguous(), as_tensor(q_starts), as_tensor(q_lens),
-                          as_tensor(k_lens))
-    # Each row's table shifted left by its shared blocks (-1 padded on the right).
-    width = tables.shape[1]
-    shift = as_tensor(skip)[:, None] + torch.arange(width)
-    shifted = tables.gather(1, shift.clamp_max(width - 1)).masked_fill(shift >= width, -1)
-    return KernelRows(rows, shifted, as_tensor(q_starts), as_tensor(q_lens),
+    if prefixes:  # each row's table shifted left by its shared blocks (-1 padded)
+        width = tables.shape[1]
+        shift = as_tensor(skip)[:, None] + torch.arange(width)
+        tables = tables.gather(1, shift.clamp_max(width - 1)).masked_fill(shift >= width, -1)
+    return KernelRows(rows, tables.contiguous(), as_tensor(q_starts), as_tensor(q_lens),
                       as_tensor([k - n * block_size for k, n in zip(k_lens, skip)]),
                       tuple(prefixes))
 
