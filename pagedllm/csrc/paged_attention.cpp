@@ -94,15 +94,16 @@ inline void write_output(const float* acc, float m, float sum, int64_t token, in
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>((acc[i] * a + to_float(po[i]) * b) * inv);
 }
 
-// Visits the first num_keys cached tokens of a row block by block (no division per key):
-// fn(j, pointer to token j's vector for this kv head). Blocks lie anywhere in the pool, so
-// no hardware prefetcher can guess the next one: while one block is visited, the vectors of
-// the block kPrefetchBlocks ahead are requested (each read would otherwise wait on memory).
+// Visits the first num_keys cached tokens of a row block by block: fn(j, n, base) for the
+// n tokens j, j + 1, ... of one block, token j + o's vector for this kv head at
+// base + o * s.c_stride_s. Blocks lie anywhere in the pool, so no hardware prefetcher can
+// guess the next one: while one block is visited, the vectors of the block kPrefetchBlocks
+// ahead are requested (each read would otherwise wait on memory).
 constexpr int64_t kPrefetchBlocks = 2;
 
 template <typename T, typename Fn>
-inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys, int64_t kv_head,
-                         const Shapes& s, Fn&& fn) {
+inline void for_each_block(const T* cache, const int64_t* table, int64_t num_keys,
+                           int64_t kv_head, const Shapes& s, Fn&& fn) {
   const int64_t num_blocks = (num_keys + s.block_size - 1) / s.block_size;
   const int64_t vec_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0, j = 0; j < num_keys; ++b) {
@@ -118,10 +119,19 @@ inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys,
             __builtin_prefetch(head + o * s.c_stride_s * static_cast<int64_t>(sizeof(T)) + c);
       }
     }
-    const T* base = cache + table[b] * s.c_stride_b + kv_head * s.c_stride_h;
     const int64_t n = std::min(s.block_size, num_keys - j);
-    for (int64_t o = 0; o < n; ++o, ++j) fn(j, base + o * s.c_stride_s);
+    fn(j, n, cache + table[b] * s.c_stride_b + kv_head * s.c_stride_h);
+    j += n;
   }
+}
+
+// The same, one token at a time: fn(j, pointer to token j's vector for this kv head).
+template <typename T, typename Fn>
+inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys, int64_t kv_head,
+                         const Shapes& s, Fn&& fn) {
+  for_each_block(cache, table, num_keys, kv_head, s, [&](int64_t j, int64_t n, const T* base) {
+    for (int64_t o = 0; o < n; ++o) fn(j + o, base + o * s.c_stride_s);
+  });
 }
 
 // D > 0: the head dim known at compile time (fully unrolled, vectorised loops); D == 0: any.
@@ -242,6 +252,108 @@ inline float softmax_row(float* row, int64_t n, int64_t width, float* max_out) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// ---- bf16 caches: fewer vector instructions per key ----------------------------------------
+// Both 512-bit vector ports are the limit here (every shuffle, add and multiply takes one;
+// VDPBF16PS runs at a quarter of the FMA rate on AMX Xeons), and the kernel's time is memory
+// time plus this compute. So, for bf16: a register of 32 bf16 is widened to fp32 as its
+// even and odd elements (a shift and a mask, no shuffle), matched by the query split the
+// same way; and the scores of 8 keys are summed by one transposing reduction instead of a
+// horizontal sum per key. About two thirds of the instructions of the generic path.
+using BF16 = c10::BFloat16;
+
+// The even and odd elements of 32 bf16 (one register) as two vectors of 16 floats.
+inline void widen_even_odd(const BF16* p, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The lane sums of 8 vectors: element 4L of the result holds a[L]'s, element 4L + 2
+// a[4 + L]'s (L < 4). Each level adds the two halves of every pair: 256-bit halves,
+// 128-bit quarters, float pairs, then neighbours.
+inline __m512 sum8(const __m512 (&a)[8]) {
+  __m512 w[4], y[2];
+  for (int p = 0; p < 4; ++p)
+    w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int p = 0; p < 2; ++p)
+    y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * p], w[2 * p + 1], 0xDD));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+  return _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0xB1));
+}
+
+// Scores of NR query rows against keys [0, num_keys), 8 keys at a time (the last ones of a
+// block masked). q_eo: per row 2 * NP vectors, the even then the odd elements of each 32
+// of the pre-scaled fp32 query.
+template <int NV, int NR>
+void score_rows_bf16(const float* q_eo, float* scores, int64_t stride, const BF16* k_cache,
+                     const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+  constexpr int NP = NV / 2;
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  for_each_block(k_cache, table, num_keys, kv_head, s, [&](int64_t j, int64_t n, const BF16* base) {
+    for (int64_t o = 0; o < n; o += 8) {
+      const int64_t m = std::min<int64_t>(8, n - o);
+      __m512 acc[NR][8];
+      for (int i = 0; i < 8; ++i) {  // past the block's last key: its first again (not stored)
+        const BF16* key = base + (o + (i < m ? i : 0)) * s.c_stride_s;
+        __m512 even[NP], odd[NP];
+        for (int p = 0; p < NP; ++p) widen_even_odd(key + 32 * p, even[p], odd[p]);
+        for (int r = 0; r < NR; ++r) {
+          const float* q = q_eo + r * NV * 16;
+          __m512 a = _mm512_mul_ps(even[0], _mm512_loadu_ps(q));
+          a = _mm512_fmadd_ps(odd[0], _mm512_loadu_ps(q + 16), a);
+          for (int p = 1; p < NP; ++p) {
+            a = _mm512_fmadd_ps(even[p], _mm512_loadu_ps(q + 32 * p), a);
+            a = _mm512_fmadd_ps(odd[p], _mm512_loadu_ps(q + 32 * p + 16), a);
+          }
+          acc[r][i] = a;
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+      for (int r = 0; r < NR; ++r)
+        _mm512_mask_storeu_ps(scores + r * stride + j + o, mask, _mm512_permutexvar_ps(order, sum8(acc[r])));
+    }
+  });
+}
+
+// acc[r] = sum_j p[r][j] v_j over keys [0, num_keys) for NR rows, accumulated as even and
+// odd elements and interleaved back at the end.
+template <int NV, int NR>
+void weigh_values_bf16(const float* probs, int64_t stride, float* acc_out, const BF16* v_cache,
+                       const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+  constexpr int NP = NV / 2;
+  __m512 acc[NR][NV];  // [r][2p]: even elements of the p-th 32, [r][2p + 1]: odd
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
+  for_each_key(v_cache, table, num_keys, kv_head, s, [&](int64_t j, const BF16* vj) {
+    __m512 even[NP], odd[NP];
+    for (int p = 0; p < NP; ++p) widen_even_odd(vj + 32 * p, even[p], odd[p]);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pr = _mm512_set1_ps(probs[r * stride + j]);
+      for (int p = 0; p < NP; ++p) {
+        acc[r][2 * p] = _mm512_fmadd_ps(pr, even[p], acc[r][2 * p]);
+        acc[r][2 * p + 1] = _mm512_fmadd_ps(pr, odd[p], acc[r][2 * p + 1]);
+      }
+    }
+  });
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      float* dst = acc_out + r * NV * 16 + 32 * p;
+      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[r][2 * p], low, acc[r][2 * p + 1]));
+      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[r][2 * p], high, acc[r][2 * p + 1]));
+    }
+}
+
+template <typename T, int NV, int NR> struct ScoreBf16 {
+  template <typename... A> static void run(A... a) { score_rows_bf16<NV, NR>(a...); }
+};
+template <typename T, int NV, int NR> struct WeighBf16 {
+  template <typename... A> static void run(A... a) { weigh_values_bf16<NV, NR>(a...); }
+};
+
 // Query rows in groups of up to 4 held in registers (the 3 query heads of a GQA group in
 // a decode are one group): dispatch a group size known at compile time.
 template <typename T, int NV, template <typename, int, int> class Kernel, typename... Args>
@@ -264,6 +376,7 @@ template <typename T, int NV>
 void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T>& in,
                       std::vector<float>& buf) {
   constexpr int64_t d = NV * 16, kRowBlock = 4;
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
   const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
@@ -271,9 +384,11 @@ void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
   const int64_t* table = in.tables + w.row * s.table_width;
   const int64_t first_token = in.q_starts[w.row] + w.q_begin;
-  buf.resize(rows * (num_keys + d + 2));
-  float* scores = buf.data();                     // [rows, num_keys]
-  float* qf = scores + rows * num_keys;           // [rows, d]: scaled queries, then outputs
+  // scores [rows, num_keys], then qf [rows, d] (scaled fp32 queries, then outputs),
+  // row_max and row_sum [rows]; for bf16 the queries split in even and odd elements too.
+  buf.resize(rows * (num_keys + d + 2) + (kBf16 ? rows * d : 0));
+  float* scores = buf.data();
+  float* qf = scores + rows * num_keys;
   float* row_max = qf + rows * d;
   float* row_sum = row_max + rows;
   for (int64_t r = 0; r < rows; ++r) {            // query r = (token r / group, head r % group)
@@ -284,17 +399,37 @@ void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const
   // Row r sees keys [0, first_unmasked + r / group]; a block of rows is scored against the
   // keys its last row sees and the surplus is zeroed by softmax_row.
   auto keys_of = [&](int64_t r) { return first_unmasked + r / group + 1; };
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const int64_t nr = std::min(kRowBlock, rows - r0);
-    by_rows<T, NV, Score>(nr, static_cast<const float*>(qf + r0 * d), scores + r0 * num_keys,
-                          num_keys, in.k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+  if constexpr (kBf16) {
+    float* q_eo = row_sum + rows;  // each 32 of qf: its even elements, then its odd ones
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t i = 0; i < rows * d; i += 32) {
+      const __m512 a = _mm512_loadu_ps(qf + i), b = _mm512_loadu_ps(qf + i + 16);
+      _mm512_storeu_ps(q_eo + i, _mm512_permutex2var_ps(a, even, b));
+      _mm512_storeu_ps(q_eo + i + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t nr = std::min(kRowBlock, rows - r0);
+      by_rows<T, NV, ScoreBf16>(nr, static_cast<const float*>(q_eo + r0 * d), scores + r0 * num_keys,
+                                num_keys, in.k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+    }
+  } else {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t nr = std::min(kRowBlock, rows - r0);
+      by_rows<T, NV, Score>(nr, static_cast<const float*>(qf + r0 * d), scores + r0 * num_keys,
+                            num_keys, in.k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+    }
   }
   for (int64_t r = 0; r < rows; ++r)
     row_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys, row_max + r);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, rows - r0);
-    by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
-                          qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+    if constexpr (kBf16)
+      by_rows<T, NV, WeighBf16>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
+                                qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+    else
+      by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
+                            qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
   }
   for (int64_t r = 0; r < rows; ++r)
     write_output(qf + r * d, row_max[r], row_sum[r], first_token + r / group,
