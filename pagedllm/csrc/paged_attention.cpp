@@ -253,12 +253,12 @@ inline float softmax_row(float* row, int64_t n, int64_t width, float* max_out) {
 }
 
 // ---- bf16 caches: fewer vector instructions per key ----------------------------------------
-// Both 512-bit vector ports are the limit here (every shuffle, add and multiply takes one;
-// VDPBF16PS runs at a quarter of the FMA rate on AMX Xeons), and the kernel's time is memory
-// time plus this compute. So, for bf16: a register of 32 bf16 is widened to fp32 as its
-// even and odd elements (a shift and a mask, no shuffle), matched by the query split the
-// same way; and the scores of 8 keys are summed by one transposing reduction instead of a
-// horizontal sum per key. About two thirds of the instructions of the generic path.
+// The two 512-bit vector ports bound the kernel's compute (every shuffle, add and multiply
+// takes one; on the AMX Xeon measured, VDPBF16PS issues at a quarter of the FMA rate, half
+// its multiplies, so it does not help). For bf16: a register of 32 bf16 is widened to fp32
+// as its even and odd elements (a shift and a mask, no shuffle), matched by the query split
+// the same way, and the scores of 8 keys are summed by one transposing reduction instead
+// of a horizontal sum per key: 15% fewer cycles per key than the generic path in cache.
 using BF16 = c10::BFloat16;
 
 // The even and odd elements of 32 bf16 (one register) as two vectors of 16 floats.
