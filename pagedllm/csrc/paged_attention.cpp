@@ -53,7 +53,7 @@ struct WorkItem {
 
 struct Shapes {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
-  int64_t q_stride_t, q_stride_h;              // q and out: [T, H, D]
+  int64_t q_stride_t, q_stride_h;              // q: [T, H, D]
   int64_t c_stride_b, c_stride_s, c_stride_h;  // caches: [num_blocks, block_size, Hkv, D]
   // Prefetch each block whole (every kv head) rather than this head's vectors: set while
   // the first head of an item that covers all heads runs (the others then hit in cache).
@@ -71,6 +71,7 @@ struct Inputs {
   const T *k_cache, *v_cache;
   const int64_t *tables, *q_starts, *q_lens, *k_lens;
   float scale;
+  int64_t o_stride_t = 0, o_stride_h = 0;      // out: [T, H, D]
   const T* prefix_out = nullptr;
   const float* prefix_lse = nullptr;
   int64_t p_stride_t = 0, p_stride_h = 0, lse_stride_t = 0;
@@ -81,7 +82,7 @@ struct Inputs {
 template <typename T>
 inline void write_output(const float* acc, float m, float sum, int64_t token, int64_t head,
                          int64_t d, const Shapes& s, const Inputs<T>& in) {
-  T* dst = in.out + token * s.q_stride_t + head * s.q_stride_h;
+  T* dst = in.out + token * in.o_stride_t + head * in.o_stride_h;
   if (in.prefix_out == nullptr) {
     const float inv = 1.f / sum;
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[i] * inv);
@@ -482,7 +483,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t heads_per_item = whole_rows ? s.num_kv_heads : 1;
   const int64_t n = static_cast<int64_t>(chunks.size()) * (s.num_kv_heads / heads_per_item);
   Inputs<T> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale};
+                block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale,
+                out.stride(0), out.stride(1)};
   if (prefix_out.has_value()) {
     in.prefix_out = prefix_out->data_ptr<T>();
     in.prefix_lse = prefix_lse->data_ptr<float>();
@@ -519,8 +521,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike");
-  TORCH_CHECK(q.stride(2) == 1 && out.strides() == q.strides() && k_cache.stride(3) == 1,
-              "the head dimension must be contiguous and out laid out like q");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
+              "the head dimension of q, out and the caches must be contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),

@@ -114,6 +114,25 @@ def test_kernel_matches_dense_on_ragged_varlen_batch(dtype, block_size, heads, k
     torch.testing.assert_close(out.double(), b.reference(scale), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_q_in_place_from_a_wider_tensor(dtype):
+    # In the engine q is a view into the qkv projection (rows wider than H * D): the kernel
+    # must give exactly what it gives for a contiguous copy, into a contiguous out.
+    rows = [(40, 1), (300, 1), (16, 13), (0, 21)]
+    b = Batch(rows, 9, 3, 64, 16, dtype, seed=7)
+    q = torch.cat(b.q)
+    qkv = torch.cat([q.flatten(1), torch.randn(len(q), 6 * 64).to(dtype)], 1)
+    q_view = qkv[:, :9 * 64].view(-1, 9, 64)
+    assert not q_view.is_contiguous()
+    q_lens = torch.tensor([n for _, n in rows])
+    args = (b.k_cache, b.v_cache, b.block_tables, q_lens.cumsum(0) - q_lens, q_lens,
+            torch.tensor([c + n for c, n in rows]), 0.125)
+    from_view, from_copy = torch.empty_like(q), torch.empty_like(q)
+    cpu_paged.paged_attention(from_view, q_view, *args)
+    cpu_paged.paged_attention(from_copy, q.clone(), *args)
+    assert torch.equal(from_view, from_copy)
+
+
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_backend_decode_and_prefill_match_torch_native(block_size):
     """The backend's dispatch (decode kernel; prefill: flash, kernel or gather per row)
