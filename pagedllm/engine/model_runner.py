@@ -265,12 +265,12 @@ class ModelRunner:
 
     # ---- input preparation ----------------------------------------------------------------
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         width = max(len(seq.block_table) for seq in seqs)
         tables = np.full((len(seqs), width), -1, dtype=np.int64)
         for i, seq in enumerate(seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
-        return torch.from_numpy(tables)
+        return tables
 
     def prepare_inputs(self, seqs: list[Sequence], num_new_tokens: list[int]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,19 +295,21 @@ class ModelRunner:
             seqlens_k.append(start + n)
         num_decodes = next((i for i, n in enumerate(seqlens_q) if n != 1), len(seqlens_q))
         assert all(n != 1 for n in seqlens_q[num_decodes:]), "decode rows must come first"
+        # Index arithmetic in numpy: torch's small-tensor ops cost ~0.3 ms more per step.
         block_tables = self._block_tables(seqs)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(seqlens_q))
+        pos = np.array(positions, dtype=np.int64)
+        rows = np.repeat(np.arange(len(seqs)), seqlens_q)
         slot_mapping = block_tables[rows, pos // bs] * bs + pos % bs
         set_context(
             is_prefill=num_decodes < len(seqs), num_decodes=num_decodes,
-            cu_seqlens_q=torch.tensor(np.cumsum([0] + seqlens_q)),
-            cu_seqlens_k=torch.tensor(np.cumsum([0] + seqlens_k)),
+            cu_seqlens_q=torch.from_numpy(np.cumsum([0] + seqlens_q)),
+            cu_seqlens_k=torch.from_numpy(np.cumsum([0] + seqlens_k)),
             max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.from_numpy(slot_mapping),
             context_lens=torch.tensor(seqlens_k[:num_decodes], dtype=torch.int64),
-            block_tables=block_tables, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-        return torch.tensor(input_ids, dtype=torch.int64), pos
+            block_tables=torch.from_numpy(block_tables), seqlens_q=seqlens_q,
+            seqlens_k=seqlens_k)
+        return torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(pos)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs computing every not yet computed token of each sequence (prompts)."""
