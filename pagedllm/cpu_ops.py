@@ -52,10 +52,11 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import get_default_build_root
         from torch.utils.cpp_extension import load as build_and_load
-        # The name carries the hash of sources and flags: checkouts with different kernels
-        # (worktrees, versions) each get their own build directory instead of rebuilding
-        # one in turn.
-        digest = hashlib.sha1()
+        # The name carries the hash of the sources, their directory and the flags: each
+        # checkout (worktrees, versions, a CI clone) gets its own build directory instead of
+        # rebuilding a shared one in turn (ninja rebuilds when the source paths change: a
+        # minute, silently, at the next model load).
+        digest = hashlib.sha1(str(_CSRC.resolve()).encode())
         for src in [*_sources(), *sorted(_CSRC.glob("*.h"))]:
             digest.update(src.name.encode() + src.read_bytes())
         digest.update(repr((_CFLAGS, _LDFLAGS)).encode())
