@@ -100,4 +100,4 @@ def is_available() -> bool:
 
 def for_tensor(t: torch.Tensor) -> ModuleType | None:
     """The kernels if they can work on t (a CPU tensor and a built extension), else None."""
-    return load() if t.device.type == "cpu" else None
+    return load() if t.is_cpu else None

@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on CPU in bf16 few rows take the weight-streaming kernel and more rows the
     prepacked weight (prepack_weight), when given."""
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu":
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
         if (x.shape[0] <= SMALL_LINEAR_MAX_ROWS and weight.dtype == torch.bfloat16
                 and weight.is_contiguous() and (kernel := _small_linear_kernel())):
             y = kernel(x if x.stride(1) == 1 else x.contiguous(), weight)

@@ -47,13 +47,13 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj.forward(x)
         if self.q_norm is None:  # q and k heads are adjacent in qkv: rotate them in one go
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], -1)
+            qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], -1)
             qk = self.rotary_emb.rotate(positions, qk.view(-1, self.num_heads + self.num_kv_heads,
                                                            self.head_dim))
-            q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
+            q, k = qk.split_with_sizes([self.num_heads, self.num_kv_heads], 1)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             return self.o_proj.forward(self.attn.forward(q, k, v))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
