@@ -348,12 +348,6 @@ void weigh_values_bf16(const float* probs, int64_t stride, float* acc_out, const
     }
 }
 
-template <typename T, int NV, int NR> struct ScoreBf16 {
-  template <typename... A> static void run(A... a) { score_rows_bf16<NV, NR>(a...); }
-};
-template <typename T, int NV, int NR> struct WeighBf16 {
-  template <typename... A> static void run(A... a) { weigh_values_bf16<NV, NR>(a...); }
-};
 
 // Query rows in groups of up to 4 held in registers (the 3 query heads of a GQA group in
 // a decode are one group): dispatch a group size known at compile time.
@@ -366,11 +360,18 @@ void by_rows(int64_t nr, Args... args) {
     default: Kernel<T, NV, 4>::run(args...); break;
   }
 }
+// bf16 takes its own kernels (its queries split in even and odd elements for the scores).
 template <typename T, int NV, int NR> struct Score {
-  template <typename... A> static void run(A... a) { score_rows<T, NV, NR>(a...); }
+  template <typename... A> static void run(A... a) {
+    if constexpr (std::is_same_v<T, BF16>) score_rows_bf16<NV, NR>(a...);
+    else score_rows<T, NV, NR>(a...);
+  }
 };
 template <typename T, int NV, int NR> struct Weigh {
-  template <typename... A> static void run(A... a) { weigh_values<T, NV, NR>(a...); }
+  template <typename... A> static void run(A... a) {
+    if constexpr (std::is_same_v<T, BF16>) weigh_values_bf16<NV, NR>(a...);
+    else weigh_values<T, NV, NR>(a...);
+  }
 };
 
 template <typename T, int NV>
@@ -400,6 +401,7 @@ void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const
   // Row r sees keys [0, first_unmasked + r / group]; a block of rows is scored against the
   // keys its last row sees and the surplus is zeroed by softmax_row.
   auto keys_of = [&](int64_t r) { return first_unmasked + r / group + 1; };
+  const float* q_score = qf;  // the queries as the score kernel takes them
   if constexpr (kBf16) {
     float* q_eo = row_sum + rows;  // each 32 of qf: its even elements, then its odd ones
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -409,28 +411,19 @@ void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const
       _mm512_storeu_ps(q_eo + i, _mm512_permutex2var_ps(a, even, b));
       _mm512_storeu_ps(q_eo + i + 16, _mm512_permutex2var_ps(a, odd, b));
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const int64_t nr = std::min(kRowBlock, rows - r0);
-      by_rows<T, NV, ScoreBf16>(nr, static_cast<const float*>(q_eo + r0 * d), scores + r0 * num_keys,
-                                num_keys, in.k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
-    }
-  } else {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const int64_t nr = std::min(kRowBlock, rows - r0);
-      by_rows<T, NV, Score>(nr, static_cast<const float*>(qf + r0 * d), scores + r0 * num_keys,
-                            num_keys, in.k_cache, table, keys_of(r0 + nr - 1), kv_head, s);
-    }
+    q_score = q_eo;
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const int64_t nr = std::min(kRowBlock, rows - r0);
+    by_rows<T, NV, Score>(nr, q_score + r0 * d, scores + r0 * num_keys, num_keys, in.k_cache,
+                          table, keys_of(r0 + nr - 1), kv_head, s);
   }
   for (int64_t r = 0; r < rows; ++r)
     row_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys, row_max + r);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, rows - r0);
-    if constexpr (kBf16)
-      by_rows<T, NV, WeighBf16>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
-                                qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
-    else
-      by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
-                            qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
+    by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
+                          qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
   }
   for (int64_t r = 0; r < rows; ++r)
     write_output(qf + r * d, row_max[r], row_sum[r], first_token + r / group,
