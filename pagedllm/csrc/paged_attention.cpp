@@ -55,9 +55,6 @@ struct Shapes {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
   int64_t q_stride_t, q_stride_h;              // q: [T, H, D]
   int64_t c_stride_b, c_stride_s, c_stride_h;  // caches: [num_blocks, block_size, Hkv, D]
-  // Prefetch each block whole (every kv head) rather than this head's vectors: set while
-  // the first head of an item that covers all heads runs (the others then hit in cache).
-  bool prefetch_whole_blocks = false;
 };
 
 // The call's tensors. With a shared prefix (cascade attention), prefix_out/prefix_lse hold
@@ -95,49 +92,53 @@ inline void write_output(const float* acc, float m, float sum, int64_t token, in
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>((acc[i] * a + to_float(po[i]) * b) * inv);
 }
 
-// Visits the first num_keys cached tokens of a row block by block: fn(j, n, base) for the
-// n tokens j, j + 1, ... of one block, token j + o's vector for this kv head at
-// base + o * s.c_stride_s. Blocks lie anywhere in the pool, so no hardware prefetcher can
-// guess the next one: while one block is visited, the vectors of the block kPrefetchBlocks
-// ahead are requested (each read would otherwise wait on memory).
-constexpr int64_t kPrefetchBlocks = 2;
+// Blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one, and
+// the few lines it runs ahead within a block do not cover memory's latency: the kernels
+// request each vector they read kPrefetchBlocks blocks ahead, one key at a time (a burst
+// of a whole block's requests stalls on the core's few fill buffers), into L2.
+constexpr int64_t kPrefetchBlocks = 1;
 
+// Requests the head vector of `bytes` bytes at p into L2.
+inline void prefetch_vector(const void* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(static_cast<const char*>(p) + c, 0, 2);
+}
+
+// Visits the first num_keys cached tokens of a row block by block: fn(j, n, base, ahead)
+// for the n tokens j, j + 1, ... of one block, token j + o's vector for kv head h0 at
+// base + o * s.c_stride_s (head h0 + i's i * s.c_stride_h further); ahead is the same for
+// the block kPrefetchBlocks on (nullptr past the last).
 template <typename T, typename Fn>
-inline void for_each_block(const T* cache, const int64_t* table, int64_t num_keys,
-                           int64_t kv_head, const Shapes& s, Fn&& fn) {
+inline void for_each_block(const T* cache, const int64_t* table, int64_t num_keys, int64_t h0,
+                           const Shapes& s, Fn&& fn) {
   const int64_t num_blocks = (num_keys + s.block_size - 1) / s.block_size;
-  const int64_t vec_bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0, j = 0; j < num_keys; ++b) {
-    if (b + kPrefetchBlocks < num_blocks) {
-      const char* block = reinterpret_cast<const char*>(cache + table[b + kPrefetchBlocks] * s.c_stride_b);
-      if (s.prefetch_whole_blocks) {  // [block_size, Hkv, D] contiguous
-        for (int64_t c = 0; c < s.c_stride_b * static_cast<int64_t>(sizeof(T)); c += 64)
-          __builtin_prefetch(block + c);
-      } else {
-        const char* head = block + kv_head * s.c_stride_h * static_cast<int64_t>(sizeof(T));
-        for (int64_t o = 0; o < s.block_size; ++o)
-          for (int64_t c = 0; c < vec_bytes; c += 64)
-            __builtin_prefetch(head + o * s.c_stride_s * static_cast<int64_t>(sizeof(T)) + c);
-      }
-    }
+    const T* ahead = b + kPrefetchBlocks < num_blocks
+                         ? cache + table[b + kPrefetchBlocks] * s.c_stride_b + h0 * s.c_stride_h
+                         : nullptr;
     const int64_t n = std::min(s.block_size, num_keys - j);
-    fn(j, n, cache + table[b] * s.c_stride_b + kv_head * s.c_stride_h);
+    fn(j, n, cache + table[b] * s.c_stride_b + h0 * s.c_stride_h, ahead);
     j += n;
   }
 }
 
-// The same, one token at a time: fn(j, pointer to token j's vector for this kv head).
+// One kv head's vectors one token at a time: fn(j, pointer to token j's vector).
 template <typename T, typename Fn>
 inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys, int64_t kv_head,
                          const Shapes& s, Fn&& fn) {
-  for_each_block(cache, table, num_keys, kv_head, s, [&](int64_t j, int64_t n, const T* base) {
-    for (int64_t o = 0; o < n; ++o) fn(j + o, base + o * s.c_stride_s);
-  });
+  const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+  for_each_block(cache, table, num_keys, kv_head, s,
+                 [&](int64_t j, int64_t n, const T* base, const T* ahead) {
+                   for (int64_t o = 0; o < n; ++o) {
+                     if (ahead != nullptr) prefetch_vector(ahead + o * s.c_stride_s, bytes);
+                     fn(j + o, base + o * s.c_stride_s);
+                   }
+                 });
 }
 
-// D > 0: the head dim known at compile time (fully unrolled, vectorised loops); D == 0: any.
+// One kv head of an item. D > 0: the head dim known at compile time (fully unrolled,
+// vectorised loops); D == 0: any.
 template <typename T, int64_t D>
-void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T>& in,
+void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T>& in,
                  std::vector<float>& buf) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = D > 0 ? D : s.head_dim;
   const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
@@ -188,48 +189,61 @@ void attend_item(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
                  kv_head * group + r % group, d, s, in);
 }
 
+template <typename T, int64_t D>
+void attend_item(const WorkItem& w, int64_t h_begin, int64_t h_end, const Shapes& s,
+                 const Inputs<T>& in, std::vector<float>& buf) {
+  for (int64_t h = h_begin; h < h_end; ++h) attend_head<T, D>(w, h, s, in, buf);
+}
+
 #if defined(__AVX512F__)
 using pagedllm::exp16;
 using pagedllm::load16;
 
 // ---- AVX-512 path: one key's head vector in NV registers of 16 floats -------------------
 
-// Scores of NR query vectors (qf rows, fp32, pre-scaled) against keys [0, num_keys): the
-// queries stay in registers, each key is loaded and widened once for all of them.
+// The kernels below work on the n keys of one block (key o's vector at base + o * s.c_stride_s)
+// for NR query rows at a time, scores and probabilities at [r * stride + o].
+
+// Scores of NR query vectors (qf rows, fp32, pre-scaled): the queries stay in registers,
+// each key is loaded and widened once for all of them.
 template <typename T, int NV, int NR>
-void score_rows(const float* qf, float* scores, int64_t stride, const T* k_cache,
-                const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+void score_block(const float* qf, float* scores, int64_t stride, const T* base, const T* ahead,
+                 int64_t n, const Shapes& s) {
   __m512 qv[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < NV; ++i) qv[r][i] = _mm512_loadu_ps(qf + r * NV * 16 + i * 16);
-  for_each_key(k_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
+  for (int64_t o = 0; o < n; ++o) {
+    const T* kj = base + o * s.c_stride_s;
+    if (ahead != nullptr) prefetch_vector(ahead + o * s.c_stride_s, NV * 16 * sizeof(T));
     __m512 kv[NV];
     for (int i = 0; i < NV; ++i) kv[i] = load16(kj + i * 16);
     for (int r = 0; r < NR; ++r) {
       __m512 acc = _mm512_mul_ps(kv[0], qv[r][0]);
       for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(kv[i], qv[r][i], acc);
-      scores[r * stride + j] = _mm512_reduce_add_ps(acc);
+      scores[r * stride + o] = _mm512_reduce_add_ps(acc);
     }
-  });
+  }
 }
 
-// acc[r] = sum_j p[r][j] v_j over keys [0, num_keys) for NR rows, accumulated in registers.
+// acc[r] += sum_o p[r][o] v_o for NR rows (acc: NR rows of NV * 16 floats).
 template <typename T, int NV, int NR>
-void weigh_values(const float* probs, int64_t stride, float* acc_out, const T* v_cache,
-                  const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+void weigh_block(const float* probs, int64_t stride, float* acc_io, const T* base, const T* ahead,
+                 int64_t n, const Shapes& s) {
   __m512 acc[NR][NV];
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
-  for_each_key(v_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(acc_io + r * NV * 16 + i * 16);
+  for (int64_t o = 0; o < n; ++o) {
+    const T* vj = base + o * s.c_stride_s;
+    if (ahead != nullptr) prefetch_vector(ahead + o * s.c_stride_s, NV * 16 * sizeof(T));
     __m512 vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = load16(vj + i * 16);
     for (int r = 0; r < NR; ++r) {
-      const __m512 p = _mm512_set1_ps(probs[r * stride + j]);
+      const __m512 p = _mm512_set1_ps(probs[r * stride + o]);
       for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_fmadd_ps(p, vv[i], acc[r][i]);
     }
-  });
+  }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_out + r * NV * 16 + i * 16, acc[r][i]);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_io + r * NV * 16 + i * 16, acc[r][i]);
 }
 
 // In place: row[0:n] = exp(row - max) (the unnormalised softmax), row[n:width] = 0;
@@ -284,70 +298,76 @@ inline __m512 sum8(const __m512 (&a)[8]) {
   return _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0xB1));
 }
 
-// Scores of NR query rows against keys [0, num_keys), 8 keys at a time (the last ones of a
-// block masked). q_eo: per row 2 * NP vectors, the even then the odd elements of each 32
-// of the pre-scaled fp32 query.
+// Scores of NR query rows, 8 keys at a time (past the block's last key: its first again,
+// not stored). q_eo: per row 2 * NP vectors, the even then the odd elements of each 32 of
+// the pre-scaled fp32 query.
 template <int NV, int NR>
-void score_rows_bf16(const float* q_eo, float* scores, int64_t stride, const BF16* k_cache,
-                     const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+void score_block_bf16(const float* q_eo, float* scores, int64_t stride, const BF16* base,
+                      const BF16* ahead, int64_t n, const Shapes& s) {
   constexpr int NP = NV / 2;
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-  for_each_block(k_cache, table, num_keys, kv_head, s, [&](int64_t j, int64_t n, const BF16* base) {
-    for (int64_t o = 0; o < n; o += 8) {
-      const int64_t m = std::min<int64_t>(8, n - o);
-      __m512 acc[NR][8];
-      for (int i = 0; i < 8; ++i) {  // past the block's last key: its first again (not stored)
-        const BF16* key = base + (o + (i < m ? i : 0)) * s.c_stride_s;
-        __m512 even[NP], odd[NP];
-        for (int p = 0; p < NP; ++p) widen_even_odd(key + 32 * p, even[p], odd[p]);
-        for (int r = 0; r < NR; ++r) {
-          const float* q = q_eo + r * NV * 16;
-          __m512 a = _mm512_mul_ps(even[0], _mm512_loadu_ps(q));
-          a = _mm512_fmadd_ps(odd[0], _mm512_loadu_ps(q + 16), a);
-          for (int p = 1; p < NP; ++p) {
-            a = _mm512_fmadd_ps(even[p], _mm512_loadu_ps(q + 32 * p), a);
-            a = _mm512_fmadd_ps(odd[p], _mm512_loadu_ps(q + 32 * p + 16), a);
-          }
-          acc[r][i] = a;
+  for (int64_t o = 0; o < n; o += 8) {
+    const int64_t m = std::min<int64_t>(8, n - o);
+    __m512 acc[NR][8];
+    for (int i = 0; i < 8; ++i) {
+      const BF16* key = base + (o + (i < m ? i : 0)) * s.c_stride_s;
+      if (ahead != nullptr && i < m) prefetch_vector(ahead + (o + i) * s.c_stride_s, NV * 32);
+      __m512 even[NP], odd[NP];
+      for (int p = 0; p < NP; ++p) widen_even_odd(key + 32 * p, even[p], odd[p]);
+      for (int r = 0; r < NR; ++r) {
+        const float* q = q_eo + r * NV * 16;
+        __m512 a = _mm512_mul_ps(even[0], _mm512_loadu_ps(q));
+        a = _mm512_fmadd_ps(odd[0], _mm512_loadu_ps(q + 16), a);
+        for (int p = 1; p < NP; ++p) {
+          a = _mm512_fmadd_ps(even[p], _mm512_loadu_ps(q + 32 * p), a);
+          a = _mm512_fmadd_ps(odd[p], _mm512_loadu_ps(q + 32 * p + 16), a);
         }
+        acc[r][i] = a;
       }
-      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
-      for (int r = 0; r < NR; ++r)
-        _mm512_mask_storeu_ps(scores + r * stride + j + o, mask, _mm512_permutexvar_ps(order, sum8(acc[r])));
     }
-  });
+    const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+    for (int r = 0; r < NR; ++r)
+      _mm512_mask_storeu_ps(scores + r * stride + o, mask, _mm512_permutexvar_ps(order, sum8(acc[r])));
+  }
 }
 
-// acc[r] = sum_j p[r][j] v_j over keys [0, num_keys) for NR rows, accumulated as even and
-// odd elements and interleaved back at the end.
+// acc[r] += sum_o p[r][o] v_o for NR rows, kept as even and odd elements: each 32 of a
+// row's NV * 16 floats holds the even elements, then the odd ones (interleave_even_odd
+// puts them back in order).
 template <int NV, int NR>
-void weigh_values_bf16(const float* probs, int64_t stride, float* acc_out, const BF16* v_cache,
-                       const int64_t* table, int64_t num_keys, int64_t kv_head, const Shapes& s) {
+void weigh_block_bf16(const float* probs, int64_t stride, float* acc_eo, const BF16* base,
+                      const BF16* ahead, int64_t n, const Shapes& s) {
   constexpr int NP = NV / 2;
   __m512 acc[NR][NV];  // [r][2p]: even elements of the p-th 32, [r][2p + 1]: odd
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
-  for_each_key(v_cache, table, num_keys, kv_head, s, [&](int64_t j, const BF16* vj) {
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(acc_eo + r * NV * 16 + i * 16);
+  for (int64_t o = 0; o < n; ++o) {
+    if (ahead != nullptr) prefetch_vector(ahead + o * s.c_stride_s, NV * 32);
     __m512 even[NP], odd[NP];
-    for (int p = 0; p < NP; ++p) widen_even_odd(vj + 32 * p, even[p], odd[p]);
+    for (int p = 0; p < NP; ++p) widen_even_odd(base + o * s.c_stride_s + 32 * p, even[p], odd[p]);
     for (int r = 0; r < NR; ++r) {
-      const __m512 pr = _mm512_set1_ps(probs[r * stride + j]);
+      const __m512 pr = _mm512_set1_ps(probs[r * stride + o]);
       for (int p = 0; p < NP; ++p) {
         acc[r][2 * p] = _mm512_fmadd_ps(pr, even[p], acc[r][2 * p]);
         acc[r][2 * p + 1] = _mm512_fmadd_ps(pr, odd[p], acc[r][2 * p + 1]);
       }
     }
-  });
-  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  }
   for (int r = 0; r < NR; ++r)
-    for (int p = 0; p < NP; ++p) {
-      float* dst = acc_out + r * NV * 16 + 32 * p;
-      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[r][2 * p], low, acc[r][2 * p + 1]));
-      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[r][2 * p], high, acc[r][2 * p + 1]));
-    }
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_eo + r * NV * 16 + i * 16, acc[r][i]);
 }
 
+// In place, for n floats (a multiple of 32): each 32 from its even then odd elements back
+// to their order.
+inline void interleave_even_odd(float* x, int64_t n) {
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512 even = _mm512_loadu_ps(x + i), odd = _mm512_loadu_ps(x + i + 16);
+    _mm512_storeu_ps(x + i, _mm512_permutex2var_ps(even, low, odd));
+    _mm512_storeu_ps(x + i + 16, _mm512_permutex2var_ps(even, high, odd));
+  }
+}
 
 // Query rows in groups of up to 4 held in registers (the 3 query heads of a GQA group in
 // a decode are one group): dispatch a group size known at compile time.
@@ -363,29 +383,37 @@ void by_rows(int64_t nr, Args... args) {
 // bf16 takes its own kernels (its queries split in even and odd elements for the scores).
 template <typename T, int NV, int NR> struct Score {
   template <typename... A> static void run(A... a) {
-    if constexpr (std::is_same_v<T, BF16>) score_rows_bf16<NV, NR>(a...);
-    else score_rows<T, NV, NR>(a...);
+    if constexpr (std::is_same_v<T, BF16>) score_block_bf16<NV, NR>(a...);
+    else score_block<T, NV, NR>(a...);
   }
 };
 template <typename T, int NV, int NR> struct Weigh {
   template <typename... A> static void run(A... a) {
-    if constexpr (std::is_same_v<T, BF16>) weigh_values_bf16<NV, NR>(a...);
-    else weigh_values<T, NV, NR>(a...);
+    if constexpr (std::is_same_v<T, BF16>) weigh_block_bf16<NV, NR>(a...);
+    else weigh_block<T, NV, NR>(a...);
   }
 };
 
+// Kv heads [h_begin, h_end) of an item: two passes over the row's blocks, keys then values,
+// each block's vectors of every head of the item used while it is in cache (and the next
+// blocks' requested meanwhile, so memory streams during all the work, not one head's).
 template <typename T, int NV>
-void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T>& in,
-                      std::vector<float>& buf) {
+void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const Shapes& s,
+                      const Inputs<T>& in, std::vector<float>& buf) {
   constexpr int64_t d = NV * 16, kRowBlock = 4;
   constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
   const int64_t group = s.num_heads / s.num_kv_heads;
-  const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
+  const int64_t per_head = (w.q_end - w.q_begin) * group, rows = (h_end - h_begin) * per_head;
   const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
   const int64_t num_keys = past + w.q_end;        // keys seen by the chunk's last query
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
   const int64_t* table = in.tables + w.row * s.table_width;
   const int64_t first_token = in.q_starts[w.row] + w.q_begin;
+  // Row r is kv head h_begin + r / per_head's query (token t, head g of its group), with
+  // r % per_head = t * group + g; it sees keys [0, first_unmasked + t].
+  auto token_of = [&](int64_t r) { return (r % per_head) / group; };
+  auto head_of = [&](int64_t r) { return (h_begin + r / per_head) * group + r % group; };
+  auto keys_of = [&](int64_t r) { return first_unmasked + token_of(r) + 1; };
   // scores [rows, num_keys], then qf [rows, d] (scaled fp32 queries, then outputs),
   // row_max and row_sum [rows]; for bf16 the queries split in even and odd elements too.
   buf.resize(rows * (num_keys + d + 2) + (kBf16 ? rows * d : 0));
@@ -393,14 +421,10 @@ void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const
   float* qf = scores + rows * num_keys;
   float* row_max = qf + rows * d;
   float* row_sum = row_max + rows;
-  for (int64_t r = 0; r < rows; ++r) {            // query r = (token r / group, head r % group)
-    const T* src = in.q + (first_token + r / group) * s.q_stride_t +
-                   (kv_head * group + r % group) * s.q_stride_h;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = in.q + (first_token + token_of(r)) * s.q_stride_t + head_of(r) * s.q_stride_h;
     for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * in.scale;
   }
-  // Row r sees keys [0, first_unmasked + r / group]; a block of rows is scored against the
-  // keys its last row sees and the surplus is zeroed by softmax_row.
-  auto keys_of = [&](int64_t r) { return first_unmasked + r / group + 1; };
   const float* q_score = qf;  // the queries as the score kernel takes them
   if constexpr (kBf16) {
     float* q_eo = row_sum + rows;  // each 32 of qf: its even elements, then its odd ones
@@ -413,26 +437,48 @@ void attend_item_simd(const WorkItem& w, int64_t kv_head, const Shapes& s, const
     }
     q_score = q_eo;
   }
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const int64_t nr = std::min(kRowBlock, rows - r0);
-    by_rows<T, NV, Score>(nr, q_score + r0 * d, scores + r0 * num_keys, num_keys, in.k_cache,
-                          table, keys_of(r0 + nr - 1), kv_head, s);
-  }
+  // fn(r0, nr, n, head_base, head_ahead) for each block of up to kRowBlock rows of one kv
+  // head whose last row sees any of the block's keys: the first n of them it sees (the
+  // surplus of the other rows is zeroed by softmax_row). The last block of a head's rows
+  // (which sees the most keys) prefetches the head's vectors of the block ahead.
+  auto for_each_row_block = [&](int64_t j, int64_t n, const T* base, const T* ahead, auto&& fn) {
+    for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
+      const int64_t hi = r0 / per_head;
+      nr = std::min(kRowBlock, (hi + 1) * per_head - r0);
+      const int64_t m = std::min(n, keys_of(r0 + nr - 1) - j);
+      const bool last = r0 + nr == (hi + 1) * per_head && ahead != nullptr;
+      if (m > 0) fn(r0, nr, m, base + hi * s.c_stride_h, last ? ahead + hi * s.c_stride_h : nullptr);
+    }
+  };
+  for_each_block(in.k_cache, table, num_keys, h_begin, s,
+                 [&](int64_t j, int64_t n, const T* base, const T* ahead) {
+                   for_each_row_block(j, n, base, ahead,
+                                      [&](int64_t r0, int64_t nr, int64_t m, const T* kb, const T* ka) {
+                                        by_rows<T, NV, Score>(nr, q_score + r0 * d,
+                                                              scores + r0 * num_keys + j, num_keys,
+                                                              kb, ka, m, s);
+                                      });
+                 });
   for (int64_t r = 0; r < rows; ++r)
     row_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys, row_max + r);
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const int64_t nr = std::min(kRowBlock, rows - r0);
-    by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys), num_keys,
-                          qf + r0 * d, in.v_cache, table, keys_of(r0 + nr - 1), kv_head, s);
-  }
+  float* acc = qf;  // the queries are no longer needed
+  std::fill(acc, acc + rows * d, 0.f);
+  for_each_block(in.v_cache, table, num_keys, h_begin, s,
+                 [&](int64_t j, int64_t n, const T* base, const T* ahead) {
+                   for_each_row_block(j, n, base, ahead,
+                                      [&](int64_t r0, int64_t nr, int64_t m, const T* vb, const T* va) {
+                                        by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys + j),
+                                                              num_keys, acc + r0 * d, vb, va, m, s);
+                                      });
+                 });
+  if constexpr (kBf16) interleave_even_odd(acc, rows * d);
   for (int64_t r = 0; r < rows; ++r)
-    write_output(qf + r * d, row_max[r], row_sum[r], first_token + r / group,
-                 kv_head * group + r % group, d, s, in);
+    write_output(acc + r * d, row_max[r], row_sum[r], first_token + token_of(r), head_of(r), d, s, in);
 }
 #endif  // __AVX512F__
 
 template <typename T>
-using ItemFn = void (*)(const WorkItem&, int64_t, const Shapes&, const Inputs<T>&,
+using ItemFn = void (*)(const WorkItem&, int64_t, int64_t, const Shapes&, const Inputs<T>&,
                         std::vector<float>&);
 
 template <typename T>
@@ -458,7 +504,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   // Work items: (row, chunk of query tokens), largest first, handed out one at a time
   // (rows' contexts differ a lot: a static split leaves one thread idle). With enough of
   // them for every thread an item covers all kv heads, so it reads each block of its row
-  // whole and in order; with few (a single stream) each kv head is an item of its own.
+  // once, whole and in order; with few (a single stream) each kv head is an item of its own.
   std::vector<WorkItem> chunks;
   for (int64_t row = 0; row < q_lens.size(0); ++row)
     for (int64_t b = 0; b < ql[row]; b += kQueryChunk)
@@ -469,12 +515,10 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   std::stable_sort(chunks.begin(), chunks.end(),
                    [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
   const int64_t threads = at::get_num_threads();
-  const bool blocks_contiguous = s.c_stride_h == s.head_dim &&
-                                 s.c_stride_s == s.num_kv_heads * s.head_dim &&
-                                 s.c_stride_b == s.block_size * s.c_stride_s;
-  const bool whole_rows = blocks_contiguous && static_cast<int64_t>(chunks.size()) >= 4 * threads;
+  const bool whole_rows = static_cast<int64_t>(chunks.size()) >= 4 * threads;
   const int64_t heads_per_item = whole_rows ? s.num_kv_heads : 1;
-  const int64_t n = static_cast<int64_t>(chunks.size()) * (s.num_kv_heads / heads_per_item);
+  const int64_t items_per_chunk = s.num_kv_heads / heads_per_item;
+  const int64_t n = static_cast<int64_t>(chunks.size()) * items_per_chunk;
   Inputs<T> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                 block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale,
                 out.stride(0), out.stride(1)};
@@ -490,13 +534,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
-    Shapes first = s, rest = s;
-    first.prefetch_whole_blocks = whole_rows;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const WorkItem& w = whole_rows ? chunks[i] : chunks[i / s.num_kv_heads];
-      const int64_t h0 = whole_rows ? 0 : i % s.num_kv_heads;
-      for (int64_t h = h0; h < h0 + heads_per_item; ++h)
-        item_fn(w, h, h == h0 ? first : rest, in, buf);
+      const int64_t h0 = (i % items_per_chunk) * heads_per_item;
+      item_fn(chunks[i / items_per_chunk], h0, h0 + heads_per_item, s, in, buf);
     }
   });
 }

@@ -91,6 +91,22 @@ class Batch:
         return q, k, v, ctx
 
 
+def check_kernel_against_dense(rows: list[tuple[int, int]], heads: int, kv_heads: int, dim: int,
+                               block_size: int, dtype: torch.dtype, seed: int) -> None:
+    """Every query of rows (num cached, num new) at once, against dense float64."""
+    scale = dim ** -0.5
+    b = Batch(rows, heads, kv_heads, dim, block_size, dtype, seed=seed)
+    q = torch.cat(b.q)
+    q_lens = torch.tensor([n for _, n in rows])
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    k_lens = torch.tensor([c + n for c, n in rows])
+    out = torch.full_like(q, float("nan"))
+    cpu_paged.paged_attention(out, q, b.k_cache, b.v_cache, b.block_tables, q_starts, q_lens,
+                              k_lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), b.reference(scale), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 256, 5])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
@@ -101,17 +117,18 @@ def test_kernel_matches_dense_on_ragged_varlen_batch(dtype, block_size, heads, k
     # Head dims 64 and 128 take the vectorised path on AVX-512 CPUs, 40 the generic one;
     # bf16 scores keys 8 at a time, so a block of 5 leaves every group of keys partial.
     rows = [(0, 1), (40, 1), (300, 1), (16, 13), (255, 9), (0, 21), (512, 32), (3, 2)]
-    scale = dim ** -0.5
-    b = Batch(rows, heads, kv_heads, dim, block_size, dtype, seed=block_size + heads + dim)
-    q = torch.cat(b.q)
-    q_lens = torch.tensor([n for _, n in rows])
-    q_starts = torch.cumsum(q_lens, 0) - q_lens
-    k_lens = torch.tensor([c + n for c, n in rows])
-    out = torch.full_like(q, float("nan"))
-    cpu_paged.paged_attention(out, q, b.k_cache, b.v_cache, b.block_tables, q_starts, q_lens,
-                              k_lens, scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), b.reference(scale), atol=tol, rtol=tol)
+    check_kernel_against_dense(rows, heads, kv_heads, dim, block_size, dtype,
+                               seed=block_size + heads + dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("rows", [[(300, 1)], [(255, 9)], [(37, 1), (70, 1)]])
+def test_kernel_matches_dense_with_one_kv_head_per_work_item(dtype, block_size, dim, rows):
+    # With fewer (row, query chunk) items than 4 per thread (a single stream), each kv head
+    # is a work item of its own; with more (the test above), an item covers all of them.
+    check_kernel_against_dense(rows, 9, 3, dim, block_size, dtype, seed=dim + block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
