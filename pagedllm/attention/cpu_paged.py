@@ -186,18 +186,24 @@ def _cached_plan(ctx: Context, key: object, make) -> KernelRows:
     return plan
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     ctx: Context, scale: float) -> torch.Tensor:
-    """One new token per row (the first len(q) rows of the context)."""
+def decode_plan(ctx: Context, n: int, block_size: int) -> KernelRows:
+    """The kernel's rows for the context's first n rows, one new token each (made once per
+    step: every layer shares it)."""
     assert ctx.block_tables is not None and ctx.context_lens is not None
-    n = q.shape[0]
 
     def make() -> KernelRows:
         return plan_kernel_rows(list(range(n)), ctx.block_tables[:n], list(range(n)), [1] * n,
-                                ctx.context_lens[:n].tolist(), k_cache.shape[1])
+                                ctx.context_lens[:n].tolist(), block_size)
 
+    return _cached_plan(ctx, ("decode", n), make)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     ctx: Context, scale: float) -> torch.Tensor:
+    """One new token per row (the first len(q) rows of the context)."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    kernel_attention(out, q, k_cache, v_cache, _cached_plan(ctx, ("decode", n), make), scale)
+    kernel_attention(out, q, k_cache, v_cache, decode_plan(ctx, q.shape[0], k_cache.shape[1]),
+                     scale)
     return out
 
 

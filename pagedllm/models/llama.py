@@ -11,12 +11,15 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from pagedllm import cpu_ops
+from pagedllm.attention import cpu_paged
+from pagedllm.attention.context import get_context
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+from pagedllm.layers.linear import (SMALL_LINEAR_MAX_ROWS, MergedColumnParallelLinear,
+                                    QKVParallelLinear, RowParallelLinear)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 
@@ -108,10 +111,54 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens.forward(input_ids), None
+        if x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+            fused = self._fused_decode(x, positions)
+            if fused is not None:
+                return fused
         for layer in self.layers:
             x, residual = layer(positions, x, residual)  # a call: fault injection hooks layers
         x, _ = self.norm.forward(x, residual)
         return x
+
+    def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """A decode step of a few bf16 rows on CPU as one C++ call (csrc/decode_stack.cpp,
+        the same kernels in the same order as the loop in forward, so the same results), when
+        every layer is a plain Llama layer (no q/k norms, biases or tensor parallelism) on the
+        CPU paged-attention backend, nothing hooks a layer and the step needs no cascade;
+        otherwise None. Its arguments are gathered anew each step (~30 us): nothing cached
+        can go stale."""
+        ctx = get_context()
+        ext = cpu_ops.load()
+        if (ctx.is_prefill or ctx.block_tables is None or ext is None
+                or not ext.has_small_linear_bf16() or torch.nn.modules.module._global_forward_hooks
+                or torch.nn.modules.module._global_forward_pre_hooks):
+            return None
+        weights, k_caches, v_caches = [], [], []
+        for layer in self.layers:
+            if type(layer) is not DecoderLayer or layer._forward_pre_hooks or layer._forward_hooks:
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            if (attn.q_norm is not None or attn.qkv_proj.bias is not None
+                    or attn.o_proj.bias is not None or attn.qkv_proj.tp_size != 1
+                    or attn.attn.impl is not cpu_paged.attention or not attn.attn.k_cache.numel()):
+                return None
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                        mlp.down_proj.weight]
+            k_caches.append(attn.attn.k_cache)
+            v_caches.append(attn.attn.v_cache)
+        weights.append(self.norm.weight)
+        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in weights):
+            return None
+        first = self.layers[0].self_attn
+        plan = cpu_paged.decode_plan(ctx, x.shape[0], k_caches[0].shape[1])
+        if plan.prefixes:
+            return None
+        rotary = first.rotary_emb
+        return ext.decode_layers(x, positions, weights, k_caches, v_caches, rotary.cos_cache,
+                                 rotary.sin_cache, ctx.slot_mapping, plan.tables, plan.q_starts,
+                                 plan.q_lens, plan.k_lens, first.num_heads, first.num_kv_heads,
+                                 self.norm.eps, first.attn.scale)
 
 
 class LlamaForCausalLM(nn.Module):
