@@ -18,6 +18,7 @@ import torch
 
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.attention.dispatch import load_backend, resolve_backend
+from pagedllm import memory
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import (DistInfo, all_gather_str, all_reduce_min, destroy_distributed,
                                   free_port, get_store, init_distributed, torchrun_env)
@@ -172,6 +173,14 @@ class ModelRunner:
         if packed and self.rank == 0:
             logger.info("weights also kept in oneDNN's packed layout for batched bf16 "
                         "matmuls: +%.0f MiB", packed / 2**20)
+        if self.device.type == "cpu":
+            moved = memory.move_to_huge_pages(list(self.model.parameters()))
+            moved += memory.collapse_to_huge_pages(
+                [(torch.ops.mkldnn.data_ptr(m.packed_weight), m.weight.nbytes)
+                 for m in self.model.modules()
+                 if isinstance(m, PrepackedWeight) and m.packed_weight is not None])
+            if moved and self.rank == 0:
+                logger.info("weights on 2 MiB pages: %.0f MiB", moved / 2**20)
         self.attention_backend = resolve_backend(self.config.attention_backend, self.device.type,
                                                  self.block_size, self.dtype)
         impl = load_backend(self.attention_backend).attention
@@ -224,9 +233,10 @@ class ModelRunner:
                              f"block of {block_bytes} bytes; raise the budget or lower block_size")
         # Zeroed, not empty: attention reads padded / masked slots too, and a NaN left in
         # uninitialised memory survives a zero softmax weight (0 * NaN = NaN).
-        self.kv_cache = torch.zeros(2, mc.num_hidden_layers, num_blocks, self.block_size,
-                                    self.num_local_kv_heads, mc.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        shape = (2, mc.num_hidden_layers, num_blocks, self.block_size, self.num_local_kv_heads,
+                 mc.head_dim)
+        self.kv_cache = (memory.zeros(shape, self.dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
         layer = 0
         for module in self.model.modules():
             if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
@@ -234,10 +244,12 @@ class ModelRunner:
                 module.v_cache = self.kv_cache[1, layer]
                 layer += 1
         if self.rank == 0:
-            logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s (budget: %s)",
+            logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s%s (budget: %s)",
                         num_blocks, self.block_size, num_blocks * self.block_size,
                         num_blocks * block_bytes / 2**20,
-                        " per rank" if self.world_size > 1 else "", source)
+                        " per rank" if self.world_size > 1 else "",
+                        " on 2 MiB pages" if self.device.type == "cpu"
+                        and memory.huge_pages_available() else "", source)
         return num_blocks
 
     def allocate_swap_space(self) -> int:

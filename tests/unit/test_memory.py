@@ -1,0 +1,59 @@
+"""Tensors on 2 MiB pages: the kernel really backs them with huge pages (read back from
+/proc/self/smaps), their contents are what they were, and tied weights stay tied."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm import memory
+
+pytestmark = pytest.mark.skipif(not memory.huge_pages_available(),
+                                reason="transparent huge pages are off on this kernel")
+
+
+def huge_kib_at(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping holding address, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_zeros_are_zero_aligned_and_on_huge_pages():
+    t = memory.zeros((3, 1024, 1024), torch.bfloat16)   # 6 MiB
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    assert t.data_ptr() % memory.HUGE_PAGE == 0
+    assert huge_kib_at(t.data_ptr()) >= 6 * 1024
+
+
+def test_moved_parameters_keep_values_identity_and_ties():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(4096, 256), nn.Linear(256, 4096, bias=False),
+                          nn.Linear(256, 512))
+    model[1].weight = model[0].weight                   # tied, like an LM head
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    moved = memory.move_to_huge_pages(params)
+    assert moved >= sum(p.nbytes for p in params)
+    assert list(model.parameters()) == params             # the same Parameter objects
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    assert model[1].weight is model[0].weight
+    assert huge_kib_at(model[0].weight.data_ptr()) >= 2048
+
+
+def test_collapse_moves_existing_memory_onto_huge_pages():
+    t = torch.randn(4 * 2**20)                           # 16 MiB from the allocator
+    copy = t.clone()
+    collapsed = memory.collapse_to_huge_pages([(t.data_ptr(), t.nbytes)])
+    assert collapsed >= 12 * 2**20                       # the whole 2 MiB pages inside it
+    assert huge_kib_at(t.data_ptr() + memory.HUGE_PAGE) >= 12 * 1024
+    assert torch.equal(t, copy)
