@@ -19,6 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotate x [T, heads, D] in place by positions (half-rotation layout)");
   m.def("argmax_rows", &pagedllm::argmax_rows, "first index of each row's maximum");
   m.def("decode_layers", &pagedllm::decode_layers,
-        "a decode step's decoder layers for a few bf16 rows in one call (same results as the "
+        "a decode step's decoder layers for bf16 rows in one call (same results as the "
         "per-op forward)");
 }

@@ -30,11 +30,12 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor x, const at::Tenso
                       const at::Tensor& sin);
 at::Tensor argmax_rows(const at::Tensor& x);
 
-// A decode step's decoder layers for a few bf16 rows (decode_stack.cpp): the embeddings x
+// A decode step's decoder layers for bf16 rows (decode_stack.cpp): the embeddings x
 // [T, hidden] in, the final norm's output out. weights: per layer kWeightsPerLayer (input
-// norm, qkv, o, post-attention norm, gate_up, down), then the final norm's; the attention
-// metadata is the paged_attention kernel's, for the step's rows.
-constexpr int64_t kWeightsPerLayer = 6;
+// norm, qkv, qkv packed, o, o packed, post-attention norm, gate_up, gate_up packed, down,
+// down packed; a packed one is oneDNN's, used beyond small_rows rows), then the final norm's; the
+// attention metadata is the paged_attention kernel's, for the step's rows.
+constexpr int64_t kWeightsPerLayer = 10;
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const std::vector<at::Tensor>& weights,
                          const std::vector<at::Tensor>& k_caches,
@@ -42,6 +43,6 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const at::Tensor& sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& q_starts,
                          const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
-                         int64_t num_kv_heads, double eps, double scale);
+                         int64_t num_kv_heads, double eps, double scale, int64_t small_rows);
 
 }  // namespace pagedllm

@@ -111,7 +111,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens.forward(input_ids), None
-        if x.is_cpu and x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+        if x.is_cpu and x.dtype == torch.bfloat16:
             fused = self._fused_decode(x, positions)
             if fused is not None:
                 return fused
@@ -121,18 +121,20 @@ class DecoderModel(nn.Module):
         return x
 
     def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """A decode step of a few bf16 rows on CPU as one C++ call (csrc/decode_stack.cpp,
-        the same kernels in the same order as the loop in forward, so the same results), when
-        every layer is a plain Llama layer (no q/k norms, biases or tensor parallelism) on the
-        CPU paged-attention backend, nothing hooks a layer and the step needs no cascade;
-        otherwise None. Its arguments are gathered anew each step (~30 us): nothing cached
-        can go stale."""
+        """A bf16 decode step on CPU as one C++ call (csrc/decode_stack.cpp, the same kernels
+        in the same order as the loop in forward, so the same results), when every layer is
+        a plain Llama layer (no q/k norms, biases or tensor parallelism) on the CPU
+        paged-attention backend, nothing hooks a layer, the weights are prepacked for
+        oneDNN where more than SMALL_LINEAR_MAX_ROWS rows need them, and the step needs no
+        cascade; otherwise None. Its arguments are gathered anew each step (~30 us):
+        nothing cached can go stale."""
         ctx = get_context()
         ext = cpu_ops.load()
         if (ctx.is_prefill or ctx.block_tables is None or ext is None
                 or not ext.has_small_linear_bf16() or torch.nn.modules.module._global_forward_hooks
                 or torch.nn.modules.module._global_forward_pre_hooks):
             return None
+        few = x.shape[0] <= SMALL_LINEAR_MAX_ROWS
         weights, k_caches, v_caches = [], [], []
         for layer in self.layers:
             if type(layer) is not DecoderLayer or layer._forward_pre_hooks or layer._forward_hooks:
@@ -142,13 +144,19 @@ class DecoderModel(nn.Module):
                     or attn.o_proj.bias is not None or attn.qkv_proj.tp_size != 1
                     or attn.attn.impl is not cpu_paged.attention or not attn.attn.k_cache.numel()):
                 return None
-            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-                        mlp.down_proj.weight]
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(not m.weight.is_contiguous() or (m.packed_weight is None and not few)
+                   for m in linears):
+                return None
+            # each linear's weight, and the one oneDNN takes beyond SMALL_LINEAR_MAX_ROWS rows
+            qkv, o, gate_up, down = ((m.weight, m.weight if few else m.packed_weight)
+                                     for m in linears)
+            weights += [layer.input_layernorm.weight, *qkv, *o,
+                        layer.post_attention_layernorm.weight, *gate_up, *down]
             k_caches.append(attn.attn.k_cache)
             v_caches.append(attn.attn.v_cache)
         weights.append(self.norm.weight)
-        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in weights):
+        if not all(w.dtype == torch.bfloat16 for w in weights):
             return None
         first = self.layers[0].self_attn
         plan = cpu_paged.decode_plan(ctx, x.shape[0], k_caches[0].shape[1])
@@ -158,7 +166,7 @@ class DecoderModel(nn.Module):
         return ext.decode_layers(x, positions, weights, k_caches, v_caches, rotary.cos_cache,
                                  rotary.sin_cache, ctx.slot_mapping, plan.tables, plan.q_starts,
                                  plan.q_lens, plan.k_lens, first.num_heads, first.num_kv_heads,
-                                 self.norm.eps, first.attn.scale)
+                                 self.norm.eps, first.attn.scale, SMALL_LINEAR_MAX_ROWS)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -103,19 +103,20 @@ def test_bf16_greedy_close_to_hf_bf16(llm, hf_bf16):
 
 
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkeypatch):
-    """Decode steps of up to SMALL_LINEAR_MAX_ROWS bf16 rows run the whole layer stack as
-    one C++ call (DecoderModel._fused_decode): the same kernels in the same order, so the
-    same tokens and logprobs as the per-op forward, bit for bit. (Prefix caching is off:
-    a cached prompt takes another bf16 rounding path in prefill, on either side.)"""
+    """bf16 decode steps run the whole layer stack as one C++ call
+    (DecoderModel._fused_decode): the same kernels in the same order (the weight-streaming
+    linear up to SMALL_LINEAR_MAX_ROWS rows, oneDNN's beyond), so the same tokens and
+    logprobs as the per-op forward, bit for bit. (Prefix caching is off: a cached prompt
+    takes another bf16 rounding path in prefill, on either side.)"""
     from pagedllm import cpu_ops
     from pagedllm.models import llama
-    ext = cpu_ops.load()
-    if ext is None or not ext.has_small_linear_bf16():
-        pytest.skip("the fused decode stack needs the C++ ops with AVX512-BF16")
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("the fused decode stack needs a CPU with AVX512-BF16")
+    assert cpu_ops.load() is not None, cpu_ops.load_error  # a build failure fails the test
     llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
               enable_prefix_caching=False)
     prompts = [[1000 + 37 * i + j for j in range(length)]
-               for i, length in enumerate([15, 16, 17, 40])]  # around a block boundary
+               for i, length in enumerate([15, 16, 17, 40, 3, 33, 64])]  # around block boundaries
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
     fused_calls = 0
     fused = llama.DecoderModel._fused_decode
@@ -126,7 +127,7 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkey
         fused_calls += out is not None
         return out
 
-    for rows in (1, 4):
+    for rows in (1, 4, 7):
         monkeypatch.setattr(llama.DecoderModel, "_fused_decode", counting)
         fused_calls = 0
         ours = llm.generate(prompts[:rows], params, use_tqdm=False)
