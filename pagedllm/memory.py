@@ -58,6 +58,8 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     """Copy the contiguous CPU tensors' data into one region on 2 MiB pages and point each
     tensor (by .data, so Parameters stay the same objects) at its copy; tensors sharing
     storage (tied weights) are moved once. Returns the bytes moved."""
+    if not huge_pages_available():
+        return 0
     unique, seen = [], set()
     for t in tensors:
         if t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() not in seen:
@@ -68,7 +70,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     for t in unique:
         offsets.append(total)
         total += -(-t.nbytes // align) * align
-    if not unique or not huge_pages_available():
+    if not unique:
         return 0
     region = huge_page_bytes(total)
     moved = {}
@@ -86,8 +88,9 @@ def collapse_to_huge_pages(ranges: list[tuple[int, int]]) -> int:
     """For memory allocated elsewhere (oneDNN's packed weights, which no tensor of ours can
     hold): ask the kernel to move each whole 2 MiB page inside the (address, nbytes) ranges
     onto a huge page now (MADV_COLLAPSE). Ranges closer than 64 KiB count as one (allocator
-    headers between them). Only pages wholly inside the ranges are touched. Returns the
-    bytes collapsed (0 where the kernel cannot)."""
+    headers between them); only the whole 2 MiB pages inside such a span are advised, and
+    their contents stay as they are. Returns the bytes collapsed (0 where the kernel
+    cannot)."""
     if not ranges or not huge_pages_available():
         return 0
     try:

@@ -16,9 +16,9 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
+from pagedllm import memory
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.attention.dispatch import load_backend, resolve_backend
-from pagedllm import memory
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import (DistInfo, all_gather_str, all_reduce_min, destroy_distributed,
                                   free_port, get_store, init_distributed, torchrun_env)
@@ -175,6 +175,7 @@ class ModelRunner:
                         "matmuls: +%.0f MiB", packed / 2**20)
         if self.device.type == "cpu":
             moved = memory.move_to_huge_pages(list(self.model.parameters()))
+            # oneDNN's packed copies (opaque tensors) hold as many bytes as the weights
             moved += memory.collapse_to_huge_pages(
                 [(torch.ops.mkldnn.data_ptr(m.packed_weight), m.weight.nbytes)
                  for m in self.model.modules()
