@@ -273,7 +273,12 @@ async def run_soak(cfg: SoakConfig) -> SoakReport:
     import httpx
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=cfg.clients + 8, max_keepalive_connections=cfg.clients + 8)
+    # Idle connections are dropped after 2 s, before the server's keep-alive timeout
+    # (uvicorn's 5 s, httpx's default expiry too): with equal timeouts a request sent on a
+    # pooled connection just as the server closes it fails with a ReadError that is the
+    # race's, not the server's.
+    limits = httpx.Limits(max_connections=cfg.clients + 8, max_keepalive_connections=cfg.clients + 8,
+                          keepalive_expiry=2.0)
     timeout = httpx.Timeout(cfg.request_timeout, connect=30.0)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
         ratio = await tokens_per_word(client, cfg.url)

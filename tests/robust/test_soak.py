@@ -68,6 +68,30 @@ def test_soak_64_clients_no_5xx_no_leaked_block(soak_server):
     assert blocks_used(soak_server.url) == 0
 
 
+def test_idle_connection_outlives_an_http_client_pool_expiry(soak_server):
+    """httpx (and so the openai client) keeps an idle pooled connection for 5 s; the server
+    must keep it longer, or a request sent on it just as the server closes it fails (a
+    ReadError in the soak, one run in eight). Here: one connection, idle for 6 s between
+    two requests, the second answered on the same socket."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+    parts = urlsplit(soak_server.url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    body = json.dumps({"prompt": "hello", "max_tokens": 2, "temperature": 0})
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert conn.getresponse().read() and conn.sock is not None
+        sock = conn.sock
+        time.sleep(6)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        assert conn.sock is sock  # not a new connection
+    finally:
+        conn.close()
+
+
 def test_bench_soak_command_reports_and_exits_zero(soak_server, tmp_path):
     """`pagedllm bench soak` as a user runs it, briefly, against the same server."""
     import json
