@@ -99,7 +99,8 @@ void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
       for (; i + 16 <= d; i += 16) {  // silu(g) = g / (1 + e^-g) stored in T, times up
         const __m512 gv = load16(g + i);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 s = round16<T>(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        const __m512 s = round16<T>(
+            _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         store16(o + i, _mm512_mul_ps(s, load16(u + i)));
       }
 #endif
@@ -125,16 +126,41 @@ void rotary_rows(const at::Tensor& positions, at::Tensor& x, const at::Tensor& c
   at::parallel_for(0, tokens, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
     std::vector<float> c(d), s(d), v(d);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < d; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= d; i += 16) {
+        _mm512_storeu_ps(&c[i], round16<T>(_mm512_loadu_ps(cp + pos[t] * d + i)));
+        _mm512_storeu_ps(&s[i], round16<T>(_mm512_loadu_ps(sp + pos[t] * d + i)));
+      }
+#endif
+      for (; i < d; ++i) {
         c[i] = rnd<T>(cp[pos[t] * d + i]);
         s[i] = rnd<T>(sp[pos[t] * d + i]);
       }
       for (int64_t h = 0; h < heads; ++h) {
         T* row = xp + t * ts + h * hs;
-        for (int64_t i = 0; i < d; ++i) v[i] = f32(row[i]);
-        for (int64_t i = 0; i < d; ++i) {
-          const float rot = i < half ? -v[i + half] : v[i - half];
-          row[i] = static_cast<T>(rnd<T>(v[i] * c[i]) + rnd<T>(rot * s[i]));
+        i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {  // both halves' 16 lanes at a time
+          const __m512 lo = load16(row + i), hi = load16(row + half + i);
+          const __m512 lo_out = _mm512_add_ps(
+              round16<T>(_mm512_mul_ps(lo, _mm512_loadu_ps(&c[i]))),
+              round16<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi),
+                                       _mm512_loadu_ps(&s[i]))));
+          const __m512 hi_out = _mm512_add_ps(
+              round16<T>(_mm512_mul_ps(hi, _mm512_loadu_ps(&c[half + i]))),
+              round16<T>(_mm512_mul_ps(lo, _mm512_loadu_ps(&s[half + i]))));
+          store16(row + i, lo_out);
+          store16(row + half + i, hi_out);
+        }
+#endif
+        if (i < half) {  // what the vectors did not cover (half not a multiple of 16)
+          for (int64_t j = 0; j < d; ++j) v[j] = f32(row[j]);
+          for (; i < half; ++i) {
+            row[i] = static_cast<T>(rnd<T>(v[i] * c[i]) + rnd<T>(-v[i + half] * s[i]));
+            row[half + i] = static_cast<T>(rnd<T>(v[half + i] * c[half + i]) +
+                                           rnd<T>(v[i] * s[half + i]));
+          }
         }
       }
     }

@@ -36,6 +36,14 @@ inline __m512 load16(const c10::Half* p) {
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  // The CPU's own conversion rounds to nearest even like c10's, but flushes denormals and
+  // keeps a NaN's sign and payload: it takes every vector without NaN or denormal.
+  if (!_mm512_fpclass_ps_mask(v, 0x01 | 0x20 | 0x80)) {  // quiet NaN, denormal, signaling NaN
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+    return;
+  }
+#endif
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(
@@ -48,11 +56,21 @@ inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-// Round to T and back (the value torch keeps after an op in dtype T).
+// Round to T and back (the value torch keeps after an op in dtype T). For bf16 in registers:
+// store16's rounding with the low half cleared instead of shifted out (and back in).
 template <typename T>
 inline __m512 round16(__m512 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+        _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                                _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(r);
   } else {
     alignas(64) T tmp[16];
     store16(tmp, v);

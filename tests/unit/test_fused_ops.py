@@ -52,6 +52,20 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
     assert_like_torch(out, torch_rms_norm(x + res, w, 1e-5))
 
 
+def test_bf16_stores_round_denormals_infinities_and_nan_like_torch():
+    """bf16 stores take the CPU's conversion unless a vector holds a NaN or a denormal;
+    those take the exact rounding: denormal sums keep their bits, NaN stays NaN."""
+    x = torch.tensor([1e-39, -3e-40, float("nan"), float("inf"), -float("inf"), 3e38, 1.0,
+                      0.0] * 2 + [1.0] * 16).bfloat16()
+    res = torch.tensor([2e-39, 1e-40, 1.0, 1.0, 1.0, 3e38, 1e-3, -0.0] * 2 + [0.5] * 16).bfloat16()
+    _, new_res = ext.rms_norm(x[None], res[None], torch.ones(32).bfloat16(), 1e-5)
+    ref = x + res
+    finite = ~ref.isnan()
+    assert torch.equal(new_res[0][finite].view(torch.int16), ref[finite].view(torch.int16))
+    assert new_res[0][~finite].isnan().all()
+    assert (new_res[0, :2] != 0).all()  # the denormal sums were not flushed
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 257])
 def test_silu_and_mul(dtype, rows):
