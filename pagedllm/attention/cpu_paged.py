@@ -207,6 +207,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def amx_prompt_attention(q: torch.Tensor) -> bool:
+    """Whether prompts with nothing cached take the AMX kernel (csrc/prompt_attention.cpp,
+    1.6-1.9x torch's flash attention here): bf16, head_dim 64, a CPU and kernel that let
+    the process use AMX tiles."""
+    ext = cpu_ops.load()
+    return (q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ext is not None
+            and ext.prompt_attention_available())
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, ctx: Context, scale: float,
                       first_row: int = 0) -> torch.Tensor:
@@ -214,11 +223,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     assert ctx.seqlens_q is not None and ctx.seqlens_k is not None
     out = torch.empty(q.shape, dtype=q.dtype)
     kernel_rows: list[tuple[int, int, int, int]] = []   # (row, q_start, q_len, k_len)
+    prompts: list[tuple[int, int]] | None = [] if amx_prompt_attention(q) else None
     start = 0
     for i in range(first_row, len(ctx.seqlens_q)):
         len_q, len_k = ctx.seqlens_q[i], ctx.seqlens_k[i]
         end = start + len_q
-        if len_k == len_q:
+        if len_k == len_q and prompts is not None:
+            prompts.append((start, len_q))
+        elif len_k == len_q:
             out[start:end] = torch_native._sdpa(q[start:end], k[start:end], v[start:end], scale,
                                                 causal=True)
         elif len_q <= MAX_KERNEL_QUERY_LEN:
@@ -228,6 +240,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             out[start:end] = torch_native.cached_prefix_attention(
                 q[start:end], k_cache, v_cache, ctx.block_tables[i], len_k, scale)
         start = end
+    if prompts:  # every prompt with nothing cached, in one call
+        starts, lens = (torch.tensor(c, dtype=torch.int64) for c in zip(*prompts))
+        cpu_ops.load().prompt_attention(out, q, k, v, starts, lens, scale)
     if kernel_rows:
         assert ctx.block_tables is not None
         rows, q_starts, q_lens, k_lens = (list(c) for c in zip(*kernel_rows))

@@ -7,6 +7,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("k_lens"),
         py::arg("scale"), py::arg("prefix_out") = py::none(), py::arg("prefix_lse") = py::none());
+  m.def("prompt_attention", &pagedllm::prompt_attention,
+        "out[prompts' tokens] = causal attention of each prompt over its own tokens (AMX, bf16)",
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("starts"),
+        py::arg("lens"), py::arg("scale"));
+  m.def("prompt_attention_available", &pagedllm::prompt_attention_available,
+        "whether this build and CPU run the AMX prompt attention");
   m.def("store_kv", &pagedllm::store_kv, "write new tokens' K and V into their cache slots");
   m.def("small_linear_bf16", &pagedllm::small_linear_bf16,
         "x w^T for a few bf16 rows x, streaming the bf16 weight w once");

@@ -12,6 +12,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
                      double scale, const c10::optional<at::Tensor>& prefix_out,
                      const c10::optional<at::Tensor>& prefix_lse);
+// out[prompts' tokens] = causal attention of each prompt (q/k/v[starts[i]:][:lens[i]]) over
+// its own tokens, bf16, on AMX tiles (prompt_attention.cpp); available only where the CPU
+// and the kernel let this process use AMX.
+void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
+                      double scale);
+bool prompt_attention_available();
 // Each new token's K and V into its cache slot (block_id * block_size + offset; -1: skip).
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);

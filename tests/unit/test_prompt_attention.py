@@ -1,0 +1,132 @@
+"""The AMX prompt-attention kernel (csrc/prompt_attention.cpp) against causal attention in
+float64, with torch's own flash attention on the same bf16 inputs as the yardstick.
+
+Prompts of ragged lengths around the kernel's 16-query and 32-key blocks, packed in one
+call between tokens that are not theirs (q/k/v views into a fused qkv, as in the model);
+GQA; scores that grow along the prompt so that the running maximum must be raised (and
+the output rescaled) in later blocks, and a large-magnitude case that the maximum's slack
+must not overflow.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import cpu_ops
+from pagedllm.attention import cpu_paged
+
+ext = cpu_ops.load()
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return "amx_bf16" in flags and "amx_tile" in flags and "avx512_bf16" in flags
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_available():
+    """Where the CPU has AMX the kernel must be there (build and permission): fail, never
+    skip. Only a CPU without AMX skips, and says so."""
+    assert ext is not None, cpu_ops.load_error
+    if not cpu_has_amx():
+        pytest.skip("this CPU has no AMX-BF16: prompts take torch's flash attention")
+    assert ext.prompt_attention_available()
+
+
+def packed(lens: list[int], seed: int, gap: int = 3, scale_growth: float = 0.0):
+    """q, k, v views into one [T, (H + 2 Hkv) D] tensor; prompt i's tokens start at
+    starts[i], with `gap` foreign tokens before each. scale_growth > 0 makes a token's
+    keys larger the later it comes (later blocks hold the largest scores)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts, t = [], 0
+    for n in lens:
+        t += gap
+        starts.append(t)
+        t += n
+    qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * DIM, generator=gen)
+    if scale_growth:
+        qkv[:, HEADS * DIM:(HEADS + KV_HEADS) * DIM] *= 1 + scale_growth * torch.arange(t)[:, None] / t
+    qkv = qkv.bfloat16()
+    q = qkv[:, :HEADS * DIM].view(t, HEADS, DIM)
+    k = qkv[:, HEADS * DIM:(HEADS + KV_HEADS) * DIM].view(t, KV_HEADS, DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * DIM:].view(t, KV_HEADS, DIM)
+    return q, k, v, starts
+
+
+def attention(q, k, v, starts, lens, scale, dtype):
+    out = torch.zeros(q.shape, dtype=dtype)
+    for s, n in zip(starts, lens):
+        qq, kk, vv = (x[s:s + n].transpose(0, 1)[None].to(dtype) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+        out[s:s + n] = o[0].transpose(0, 1)
+    return out
+
+
+def run_kernel(q, k, v, starts, lens, scale):
+    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)  # foreign tokens must stay 7
+    ext.prompt_attention(out, q, k, v, torch.tensor(starts), torch.tensor(lens), scale)
+    return out
+
+
+def check(lens, seed, scale=DIM ** -0.5, scale_growth=0.0):
+    q, k, v, starts = packed(lens, seed, scale_growth=scale_growth)
+    ours = run_kernel(q, k, v, starts, lens, scale)
+    ref = attention(q, k, v, starts, lens, scale, torch.float64)
+    torch_bf16 = attention(q, k, v, starts, lens, scale, torch.bfloat16)
+    mine = torch.zeros(q.shape[0], dtype=torch.bool)
+    for s, n in zip(starts, lens):
+        mine[s:s + n] = True
+    assert (ours[~mine] == 7).all(), "wrote outside its prompts"
+    err = (ours[mine].double() - ref[mine]).abs().max().item()
+    torch_err = (torch_bf16[mine].double() - ref[mine]).abs().max().item()
+    # bf16 output: an ulp of the largest values is 2^-8 relative; torch's flash attention
+    # on the same inputs is the yardstick.
+    assert err <= max(1.5 * torch_err, 2 ** -8 * ref[mine].abs().max().item()), (err, torch_err)
+    return err
+
+
+@pytest.mark.parametrize("lens", [[1], [15], [16], [17], [31, 32, 33], [5, 64, 100],
+                                  [257], [513, 2]])
+def test_ragged_prompts_match_float64(lens):
+    check(lens, seed=sum(lens))
+
+
+def test_scores_growing_along_the_prompt_raise_the_maximum():
+    """Keys scaled up 8x by the end of a 600-token prompt, and a large softmax scale:
+    later chunks' scores exceed the running maximum by far more than its slack, so O and
+    the sums are rescaled several times per query block."""
+    check([600], seed=1, scale=1.0, scale_growth=7.0)
+
+
+def test_large_scores_within_the_slack_do_not_overflow():
+    check([300, 47], seed=2, scale=4.0)
+
+
+def test_every_head_of_a_group_reads_its_own_kv_head():
+    """Each KV head's values are a different constant: every query head must average the
+    constant of its own group."""
+    q, k, v, starts = packed([40], seed=3, gap=0)
+    v = torch.stack([torch.full((40, DIM), float(h + 1)) for h in range(KV_HEADS)], 1).bfloat16()
+    out = run_kernel(q, k, v, starts, [40], DIM ** -0.5)
+    group = HEADS // KV_HEADS
+    for h in range(HEADS):
+        assert (out[:, h] == h // group + 1).all(), h
+
+
+def test_the_engine_takes_it_for_bf16_head_dim_64_only():
+    assert cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 64, dtype=torch.bfloat16))
+    assert not cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 64))
+    assert not cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 128, dtype=torch.bfloat16))
+
+
+def test_bad_arguments_are_refused():
+    q, k, v, starts = packed([8], seed=4)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside q"):
+        ext.prompt_attention(out, q, k, v, torch.tensor([q.shape[0] - 2]), torch.tensor([8]), 0.1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.prompt_attention(out.float(), q.float(), k.float(), v.float(), torch.tensor(starts),
+                             torch.tensor([8]), 0.1)
