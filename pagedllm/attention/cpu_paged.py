@@ -137,8 +137,9 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     adjacent ones; no mask: they all come before every query): the output [T, H, D] and the
     log-sum-exp of the scores [T, H].
 
-    One flash-attention call for all queries: the query heads that share a KV head are
-    stacked along the query axis, so the call sees num_kv_heads heads of T * group queries.
+    One call for all queries: the AMX kernel where it runs (amx_prompt_attention), else
+    torch's flash attention with the query heads that share a KV head stacked along the
+    query axis, so that the call sees num_kv_heads heads of T * group queries.
     """
     num_tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -147,6 +148,11 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         keys, values = k_cache[blocks], v_cache[blocks]
     else:  # index_select copies whole blocks ~5x faster than advanced indexing (measured)
         keys, values = (c.index_select(0, blocks) for c in (k_cache, v_cache))
+    if amx_prompt_attention(q):  # the AMX kernel, without a mask
+        out = torch.empty(q.shape, dtype=q.dtype)
+        lse = cpu_ops.load().attention_over_keys(out, q, keys.flatten(0, 1),
+                                                 values.flatten(0, 1), scale, False)
+        return out, lse
     keys = keys.flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, P, D]
     values = values.flatten(0, 1).transpose(0, 1)[None]
     queries = q.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3)
@@ -235,6 +241,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                                                 causal=True)
         elif len_q <= MAX_KERNEL_QUERY_LEN:
             kernel_rows.append((i, start, len_q, len_k))
+        elif prompts is not None:  # the AMX kernel over the gathered context
+            assert ctx.block_tables is not None
+            keys, values = (torch_native.gather_kv(c, ctx.block_tables[i], len_k)
+                            for c in (k_cache, v_cache))
+            cpu_ops.load().attention_over_keys(out[start:end], q[start:end], keys, values,
+                                               scale, True)
         else:
             assert ctx.block_tables is not None
             out[start:end] = torch_native.cached_prefix_attention(

@@ -11,6 +11,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[prompts' tokens] = causal attention of each prompt over its own tokens (AMX, bf16)",
         py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("starts"),
         py::arg("lens"), py::arg("scale"));
+  m.def("attention_over_keys", &pagedllm::attention_over_keys,
+        "out = attention of the queries over the keys (causal: the queries are the last "
+        "positions; else a prefix before them all), AMX, bf16; returns each query's "
+        "log-sum-exp", py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("scale"), py::arg("causal"));
   m.def("prompt_attention_available", &pagedllm::prompt_attention_available,
         "whether this build and CPU run the AMX prompt attention");
   m.def("store_kv", &pagedllm::store_kv, "write new tokens' K and V into their cache slots");

@@ -19,6 +19,13 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
                       double scale);
 bool prompt_attention_available();
+// out = attention of the queries q [T, H, D] over the keys k/v [S, Hkv, D]: causal, the
+// queries are the last T of the S positions (a chunk over its cached prefix); otherwise
+// every query sees every key (a shared prefix that precedes them all). Returns each query's
+// log-sum-exp of its scores [T, H] (cascade attention merges by it). Same kernel and
+// conditions as prompt_attention.
+at::Tensor attention_over_keys(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, double scale, bool causal);
 // Each new token's K and V into its cache slot (block_id * block_size + offset; -1: skip).
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);

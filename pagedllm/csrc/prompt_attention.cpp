@@ -75,9 +75,15 @@ struct Prompts {
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
   int64_t out_stride_t, out_stride_h;
   int64_t heads, kv_heads, dim;
-  const int64_t *starts, *lens;
-  std::vector<int64_t> chunk_offset;  // each prompt's first 32-key chunk in the rearranged K/V
+  // Segment i: queries q[q_starts[i]:][:q_lens[i]] over keys k/v[k_starts[i]:][:k_lens[i]];
+  // causal: the queries are the last q_lens[i] of the k_lens[i] positions (each sees the
+  // keys up to its own); otherwise every query sees every key.
+  const int64_t *q_starts, *q_lens, *k_starts, *k_lens;
+  bool causal;
   float scale;
+  float* lse = nullptr;  // [T, H]: each query's log-sum-exp of its scores, if wanted
+  int64_t lse_stride_t = 0;
+  std::vector<int64_t> chunk_offset;  // each segment's first 32-key chunk in the rearranged K/V
 };
 
 // One 32-key chunk of one (prompt, KV head), rearranged for the tiles:
@@ -90,9 +96,9 @@ int64_t chunk_elems(int64_t dim) { return 2 * kBlock * dim; }
 
 void rearrange_chunk(const Prompts& p, int64_t prompt, int64_t kv_head, int64_t chunk,
                      BF16* dst) {
-  const int64_t dim = p.dim, len = p.lens[prompt], k0 = chunk * kBlock;
-  const BF16* k = p.k + p.starts[prompt] * p.k_stride_t + kv_head * p.k_stride_h;
-  const BF16* v = p.v + p.starts[prompt] * p.v_stride_t + kv_head * p.v_stride_h;
+  const int64_t dim = p.dim, len = p.k_lens[prompt], k0 = chunk * kBlock;
+  const BF16* k = p.k + p.k_starts[prompt] * p.k_stride_t + kv_head * p.k_stride_h;
+  const BF16* v = p.v + p.k_starts[prompt] * p.v_stride_t + kv_head * p.v_stride_h;
   BF16* vt = dst + kBlock * dim;
   for (int64_t j = 0; j < kBlock; ++j) {
     const int64_t key = k0 + j;
@@ -187,9 +193,10 @@ inline void load_acc(Scratch& s) {
 
 void attend_block(const Prompts& p, const BF16* rearranged, int64_t prompt, int64_t head,
                   int64_t block, Scratch& s) {
-  const int64_t len = p.lens[prompt], q0 = block * kQueries;
+  const int64_t len = p.q_lens[prompt], keys_len = p.k_lens[prompt], q0 = block * kQueries;
+  const int64_t offset = keys_len - len;  // causal: query i sits at position offset + i
   const int64_t kv_head = head / (p.heads / p.kv_heads);
-  const BF16* q = p.q + p.starts[prompt] * p.q_stride_t + head * p.q_stride_h;
+  const BF16* q = p.q + p.q_starts[prompt] * p.q_stride_t + head * p.q_stride_h;
   for (int64_t d = 0; d < kDim / 32; ++d) {  // Q^T in pair order; queries past the end: 0
     __m512i rows[16];
     for (int64_t i = 0; i < kQueries; ++i)
@@ -204,8 +211,8 @@ void attend_block(const Prompts& p, const BF16* rearranged, int64_t prompt, int6
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t last_chunk = std::min(q0 + kQueries, len) - 1;  // the last query's position
-  for (int64_t c = 0; c * kBlock <= last_chunk; ++c) {  // causal: keys up to the last query
+  const int64_t last_key = p.causal ? offset + std::min(q0 + kQueries, len) - 1 : keys_len - 1;
+  for (int64_t c = 0; c * kBlock <= last_key; ++c) {
     const BF16* keys = rearranged +
                        ((p.chunk_offset[prompt] + c) * p.kv_heads + kv_head) * chunk_elems(kDim);
     const BF16* vt = keys + kBlock * kDim;
@@ -220,10 +227,12 @@ void attend_block(const Prompts& p, const BF16* rearranged, int64_t prompt, int6
     }
     _tile_stored(4, s.scores, 64);
     _tile_stored(5, s.scores + 16 * kQueries, 64);
-    // Key k0 + j is visible to query q0 + i when i >= k0 + j - q0.
+    // Key k0 + j exists if below keys_len; causal, it is visible to query q0 + i when
+    // offset + q0 + i >= k0 + j.
     const int64_t k0 = c * kBlock;
     auto visible = [&](int64_t j) -> __mmask16 {
-      const int64_t shift = k0 + j - q0;
+      if (k0 + j >= keys_len) return 0;
+      const int64_t shift = p.causal ? k0 + j - offset - q0 : 0;
       return shift <= 0 ? 0xFFFF : shift >= 16 ? 0 : static_cast<__mmask16>(0xFFFF << shift);
     };
     __m512 x[kBlock];
@@ -266,7 +275,14 @@ void attend_block(const Prompts& p, const BF16* rearranged, int64_t prompt, int6
   }
   store_acc(s);  // out[query][d] = O^T[d][query] / sum[query], 16 dims at a time
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
-  BF16* out = p.out + p.starts[prompt] * p.out_stride_t + head * p.out_stride_h;
+  BF16* out = p.out + p.q_starts[prompt] * p.out_stride_t + head * p.out_stride_h;
+  if (p.lse) {  // log(sum e^(score - max)) + max
+    alignas(64) float maxima[kQueries], sums[kQueries];
+    _mm512_store_ps(maxima, max);
+    _mm512_store_ps(sums, sum);
+    for (int64_t i = 0; i < kQueries && q0 + i < len; ++i)
+      p.lse[(p.q_starts[prompt] + q0 + i) * p.lse_stride_t + head] = maxima[i] + std::log(sums[i]);
+  }
   for (int64_t d = 0; d < kDim; d += 16) {
     __m512i rows[16];
     for (int64_t k = 0; k < 16; ++k)
@@ -291,40 +307,31 @@ bool prompt_attention_available() {
 #endif
 }
 
-void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
-                      double scale) {
+namespace {
+
+void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v) {
   TORCH_CHECK(prompt_attention_available(), "the AMX prompt attention is not available here");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
-              "q, out [T, H, D] and k, v [T, Hkv, D]");
+              "q, out [T, H, D] and k, v [S, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "the AMX prompt attention takes bfloat16");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
               "the head dimension must be contiguous");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
-                  q.size(1) % k.size(1) == 0,
-              "k and v must be alike, with q's tokens and head_dim, and divide q's heads");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
+              "k and v must be alike, with q's head_dim, and divide q's heads");
   TORCH_CHECK(q.size(2) == 64, "the AMX prompt attention takes head_dim 64");
-  TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
-                  starts.is_contiguous() && lens.is_contiguous() &&
-                  starts.numel() == lens.numel(),
-              "starts and lens must be int64 [num_prompts]");
+}
+
 #if defined(PAGEDLLM_AMX)
-  const int64_t n = starts.numel(), tokens = q.size(0);
-  Prompts p{q.data_ptr<BF16>(), k.data_ptr<BF16>(), v.data_ptr<BF16>(), out.data_ptr<BF16>(),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), q.size(1), k.size(1), q.size(2),
-            starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), {}, static_cast<float>(scale)};
-  p.chunk_offset.resize(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(p.lens[i] > 0 && p.starts[i] >= 0 && p.starts[i] + p.lens[i] <= tokens,
-                "prompt ", i, " lies outside q");
-    p.chunk_offset[i + 1] = p.chunk_offset[i] + (p.lens[i] + kBlock - 1) / kBlock;
-  }
+void run(Prompts& p, int64_t n) {
+  p.chunk_offset.assign(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    p.chunk_offset[i + 1] = p.chunk_offset[i] + (p.k_lens[i] + kBlock - 1) / kBlock;
   const int64_t total_chunks = p.chunk_offset[n];
   std::vector<BF16> rearranged(total_chunks * p.kv_heads * chunk_elems(p.dim));
-  // (prompt, chunk) pairs, then every KV head of each: the first pass, in parallel.
+  // (segment, chunk) pairs, then every KV head of each: the first pass, in parallel.
   std::vector<std::pair<int64_t, int64_t>> chunk_ids;
   chunk_ids.reserve(total_chunks);
   for (int64_t i = 0; i < n; ++i)
@@ -332,21 +339,25 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
       chunk_ids.emplace_back(i, c);
   at::parallel_for(0, total_chunks * p.kv_heads, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const auto [prompt, c] = chunk_ids[j / p.kv_heads];
+      const auto [segment, c] = chunk_ids[j / p.kv_heads];
       const int64_t h = j % p.kv_heads;
-      rearrange_chunk(p, prompt, h, c,
-                      rearranged.data() + ((p.chunk_offset[prompt] + c) * p.kv_heads + h) *
+      rearrange_chunk(p, segment, h, c,
+                      rearranged.data() + ((p.chunk_offset[segment] + c) * p.kv_heads + h) *
                                               chunk_elems(p.dim));
     }
   });
-  // (prompt, head, query block), the longest (most key chunks) first.
-  struct Item { int64_t prompt, head, block; };
+  // (segment, head, query block), the most key chunks first.
+  struct Item { int64_t segment, head, block, chunks; };
   std::vector<Item> items;
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t b = 0; b * kQueries < p.lens[i]; ++b)
-      for (int64_t h = 0; h < p.heads; ++h) items.push_back({i, h, b});
+    for (int64_t b = 0; b * kQueries < p.q_lens[i]; ++b) {
+      const int64_t last = p.causal ? p.k_lens[i] - p.q_lens[i] +
+                                          std::min(b * kQueries + kQueries, p.q_lens[i]) - 1
+                                    : p.k_lens[i] - 1;
+      for (int64_t h = 0; h < p.heads; ++h) items.push_back({i, h, b, last / kBlock + 1});
+    }
   std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.block > b.block; });
+                   [](const Item& a, const Item& b) { return a.chunks > b.chunks; });
   std::atomic<int64_t> next{0};
   const int64_t workers =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
@@ -355,10 +366,64 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
     Scratch s;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) <
                     static_cast<int64_t>(items.size());)
-      attend_block(p, rearranged.data(), items[i].prompt, items[i].head, items[i].block, s);
+      attend_block(p, rearranged.data(), items[i].segment, items[i].head, items[i].block, s);
     _tile_release();
   });
+}
+
+Prompts make_prompts(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, float scale, bool causal) {
+  Prompts p{q.data_ptr<BF16>(), k.data_ptr<BF16>(), v.data_ptr<BF16>(), out.data_ptr<BF16>(),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), q.size(1), k.size(1), q.size(2)};
+  p.causal = causal;
+  p.scale = scale;
+  return p;
+}
 #endif
+
+}  // namespace
+
+void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
+                      double scale) {
+  check_inputs(out, q, k, v);
+  TORCH_CHECK(k.size(0) == q.size(0), "k and v must have q's tokens");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  starts.is_contiguous() && lens.is_contiguous() &&
+                  starts.numel() == lens.numel(),
+              "starts and lens must be int64 [num_prompts]");
+  const int64_t n = starts.numel(), tokens = q.size(0);
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ln[i] > 0 && st[i] >= 0 && st[i] + ln[i] <= tokens, "prompt ", i,
+                " lies outside q");
+#if defined(PAGEDLLM_AMX)
+  Prompts p = make_prompts(out, q, k, v, static_cast<float>(scale), true);
+  p.q_starts = p.k_starts = st;
+  p.q_lens = p.k_lens = ln;
+  run(p, n);
+#endif
+}
+
+at::Tensor attention_over_keys(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, double scale, bool causal) {
+  check_inputs(out, q, k, v);
+  TORCH_CHECK(q.size(0) > 0 && k.size(0) > 0, "no queries or no keys");
+  TORCH_CHECK(!causal || q.size(0) <= k.size(0), "causal: the queries are the last of the keys' positions");
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+#if defined(PAGEDLLM_AMX)
+  Prompts p = make_prompts(out, q, k, v, static_cast<float>(scale), causal);
+  const int64_t zero = 0, queries = q.size(0), keys = k.size(0);
+  p.q_starts = p.k_starts = &zero;
+  p.q_lens = &queries;
+  p.k_lens = &keys;
+  p.lse = lse.data_ptr<float>();
+  p.lse_stride_t = lse.stride(0);
+  run(p, 1);
+#endif
+  return lse;
 }
 
 }  // namespace pagedllm

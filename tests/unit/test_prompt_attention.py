@@ -116,6 +116,50 @@ def test_every_head_of_a_group_reads_its_own_kv_head():
         assert (out[:, h] == h // group + 1).all(), h
 
 
+@pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (7, 40), (33, 256), (96, 1000)])
+def test_prefix_attention_sees_every_key_and_returns_the_log_sum_exp(num_queries, num_keys):
+    """Cascade attention's shared part: queries over a prefix that precedes them all."""
+    gen = torch.Generator().manual_seed(num_keys)
+    qkv = torch.randn(num_queries, (HEADS + 2 * KV_HEADS) * DIM, generator=gen).bfloat16()
+    q = qkv[:, :HEADS * DIM].view(num_queries, HEADS, DIM)  # a strided view, as in the model
+    k, v = (torch.randn(num_keys, KV_HEADS, DIM, generator=gen).bfloat16() for _ in range(2))
+    scale = DIM ** -0.5
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = ext.attention_over_keys(out, q, k, v, scale, False)
+    group = HEADS // KV_HEADS
+    scores = torch.einsum("thd,khd->thk", q.double(),
+                          k.double().repeat_interleave(group, 1)) * scale
+    ref = torch.einsum("thk,khd->thd", scores.softmax(-1), v.double().repeat_interleave(group, 1))
+    flash = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], scale=scale,
+                                           enable_gqa=True)[0].transpose(0, 1)
+    err, torch_err = ((x.double() - ref).abs().max().item() for x in (out, flash))
+    assert err <= max(1.5 * torch_err, 2 ** -8 * ref.abs().max().item()), (err, torch_err)
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (1, 70), (20, 33), (100, 612)])
+def test_a_chunk_over_its_cached_prefix_is_causal_from_its_offset(num_queries, num_keys):
+    """Chunked prefill: the queries are the last positions of the keys."""
+    gen = torch.Generator().manual_seed(num_keys + 1)
+    q = torch.randn(num_queries, HEADS, DIM, generator=gen).bfloat16()
+    k, v = (torch.randn(num_keys, KV_HEADS, DIM, generator=gen).bfloat16() for _ in range(2))
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = ext.attention_over_keys(out, q, k, v, 0.125, True)
+    group = HEADS // KV_HEADS
+    scores = torch.einsum("thd,khd->thk", q.double(), k.double().repeat_interleave(group, 1)) * 0.125
+    position = torch.arange(num_queries) + num_keys - num_queries
+    scores = scores.masked_fill(torch.arange(num_keys)[None, None, :] > position[:, None, None],
+                                float("-inf"))
+    ref = torch.einsum("thk,khd->thd", scores.softmax(-1), v.double().repeat_interleave(group, 1))
+    assert (out.double() - ref).abs().max().item() <= 2 ** -7 * max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), rtol=0, atol=1e-3)
+    with pytest.raises(RuntimeError, match="last of the keys"):
+        ext.attention_over_keys(torch.empty(num_keys + 1, HEADS, DIM, dtype=torch.bfloat16),
+                                torch.zeros(num_keys + 1, HEADS, DIM, dtype=torch.bfloat16),
+                                k, v, 0.125, True)
+
+
 def test_the_engine_takes_it_for_bf16_head_dim_64_only():
     assert cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 64, dtype=torch.bfloat16))
     assert not cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 64))
