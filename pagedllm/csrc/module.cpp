@@ -23,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x w^T for a few bf16 rows x, streaming the bf16 weight w once");
   m.def("has_small_linear_bf16", &pagedllm::has_small_linear_bf16,
         "whether this build has the AVX512-BF16 small-batch linear");
+  m.def("amx_linear_bf16", &pagedllm::amx_linear_bf16,
+        "x w^T for 1-32 bf16 rows x on AMX tiles, from the plain bf16 weight w");
+  m.def("has_amx_linear_bf16", &pagedllm::has_amx_linear_bf16,
+        "whether this build and CPU run the AMX linear");
   m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");

@@ -34,6 +34,10 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 // streamed once (AVX512-BF16 dot products). Only built where the CPU has AVX512-BF16.
 at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w);
 bool has_small_linear_bf16();
+// The same for 1-32 rows on AMX tiles (amx_linear.cpp), reading the plain weight; K and N
+// multiples of 32. Only where the CPU and the kernel let this process use AMX.
+at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& w);
+bool has_amx_linear_bf16();
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
@@ -47,8 +51,9 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // A decode step's decoder layers for bf16 rows (decode_stack.cpp): the embeddings x
 // [T, hidden] in, the final norm's output out. weights: per layer kWeightsPerLayer (input
 // norm, qkv, qkv packed, o, o packed, post-attention norm, gate_up, gate_up packed, down,
-// down packed; a packed one is oneDNN's, used beyond small_rows rows), then the final norm's; the
-// attention metadata is the paged_attention kernel's, for the step's rows.
+// down packed; a packed one is oneDNN's), then the final norm's; the attention metadata is
+// the paged_attention kernel's, for the step's rows. Linears take small_linear_bf16 up to
+// small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond (as layers/linear.py).
 constexpr int64_t kWeightsPerLayer = 10;
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const std::vector<at::Tensor>& weights,
@@ -57,6 +62,7 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const at::Tensor& sin, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& q_starts,
                          const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
-                         int64_t num_kv_heads, double eps, double scale, int64_t small_rows);
+                         int64_t num_kv_heads, double eps, double scale, int64_t small_rows,
+                         int64_t amx_rows);
 
 }  // namespace pagedllm

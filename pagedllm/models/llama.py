@@ -19,7 +19,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (SMALL_LINEAR_MAX_ROWS, MergedColumnParallelLinear,
-                                    QKVParallelLinear, RowParallelLinear)
+                                    QKVParallelLinear, RowParallelLinear, amx_linear_rows)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 
@@ -166,7 +166,8 @@ class DecoderModel(nn.Module):
         return ext.decode_layers(x, positions, weights, k_caches, v_caches, rotary.cos_cache,
                                  rotary.sin_cache, ctx.slot_mapping, plan.tables, plan.q_starts,
                                  plan.q_lens, plan.k_lens, first.num_heads, first.num_kv_heads,
-                                 self.norm.eps, first.attn.scale, SMALL_LINEAR_MAX_ROWS)
+                                 self.norm.eps, first.attn.scale, SMALL_LINEAR_MAX_ROWS,
+                                 amx_linear_rows())
 
 
 class LlamaForCausalLM(nn.Module):

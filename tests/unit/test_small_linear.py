@@ -35,16 +35,62 @@ def test_rows_of_a_strided_input():
     torch.testing.assert_close(ext.small_linear_bf16(x, w), ext.small_linear_bf16(x.contiguous(), w))
 
 
-def test_linear_layers_route_few_bf16_rows_to_the_kernel(monkeypatch):
+def test_linear_layers_route_bf16_rows_by_count(monkeypatch):
+    """1-4 rows: the weight-streaming kernel; 5-32 (K and N multiples of 32, AMX here): the
+    AMX kernel; more: oneDNN / torch."""
     calls = []
-    kernel = ext.small_linear_bf16
-    monkeypatch.setattr(linear_mod, "_small_linear", lambda x, w: calls.append(len(x)) or kernel(x, w))
+    for name in ("small_linear_bf16", "amx_linear_bf16"):
+        kernel = getattr(ext, name)
+        monkeypatch.setitem(linear_mod._kernels, name,
+                            lambda x, w, kernel=kernel, name=name: calls.append((name, len(x)))
+                            or kernel(x, w))
     w, b = torch.randn(64, 128).bfloat16(), torch.randn(64).bfloat16()
-    for rows in (1, linear_mod.SMALL_LINEAR_MAX_ROWS, linear_mod.SMALL_LINEAR_MAX_ROWS + 1):
+    small, amx = linear_mod.SMALL_LINEAR_MAX_ROWS, linear_mod.amx_linear_rows()
+    for rows in (1, small, small + 1, amx, amx + 1):
         x = torch.randn(rows, 128).bfloat16()
         torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=5e-2)
     linear_mod.linear(torch.randn(2, 128), w.float())  # fp32 stays with torch
-    assert calls == [1, linear_mod.SMALL_LINEAR_MAX_ROWS]
+    linear_mod.linear(torch.randn(8, 80).bfloat16(), torch.randn(64, 80).bfloat16())  # K % 32
+    expected = [("small_linear_bf16", 1), ("small_linear_bf16", small)]
+    if ext.has_amx_linear_bf16():
+        expected += [("amx_linear_bf16", small + 1), ("amx_linear_bf16", amx)]
+    assert calls == expected
+
+
+def cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
+amx_here = pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX-BF16: oneDNN takes 5+ rows")
+
+
+@amx_here
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (64, 1536), (3072, 576)])
+def test_amx_linear_matches_float64_like_torch(m, n, k):
+    assert ext.has_amx_linear_bf16()  # on an AMX CPU the kernel must be there
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    ref = x.double() @ w.double().T
+    ours = ext.amx_linear_bf16(x, w)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+    torch.testing.assert_close(ours.double(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+    theirs = F.linear(x, w).double()
+    assert (ours.double() - ref).abs().max() <= 2 * (theirs - ref).abs().max() + 1e-6
+
+
+@amx_here
+def test_amx_linear_rows_of_a_strided_input_and_bad_shapes():
+    x = torch.randn(20, 2, 64).bfloat16()[:, 1]  # rows 128 elements apart
+    w = torch.randn(64, 64).bfloat16()
+    assert torch.equal(ext.amx_linear_bf16(x, w), ext.amx_linear_bf16(x.contiguous(), w))
+    with pytest.raises(RuntimeError, match="1 to 32 rows"):
+        ext.amx_linear_bf16(torch.randn(33, 64).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ext.amx_linear_bf16(torch.randn(8, 48).bfloat16(), torch.randn(64, 48).bfloat16())
 
 
 def test_bad_shapes_are_clear_errors():
