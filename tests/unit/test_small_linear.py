@@ -17,11 +17,15 @@ if ext is None or not ext.has_small_linear_bf16():
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("n,k", [(576, 576), (7, 33), (130, 1536), (3, 64), (49, 31)])
 def test_matches_float64_like_torch(m, n, k):
+    check_against_float64(ext.small_linear_bf16, m, n, k)
+
+
+def check_against_float64(kernel, m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
     ref = x.double() @ w.double().T
-    ours = ext.small_linear_bf16(x, w)
+    ours = kernel(x, w)
     assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
     # bf16 inputs multiply exactly; fp32 sums, then one rounding to bf16 (like torch's own)
     torch.testing.assert_close(ours.double(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
@@ -71,15 +75,7 @@ amx_here = pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX-BF1
 @pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (64, 1536), (3072, 576)])
 def test_amx_linear_matches_float64_like_torch(m, n, k):
     assert ext.has_amx_linear_bf16()  # on an AMX CPU the kernel must be there
-    gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    ref = x.double() @ w.double().T
-    ours = ext.amx_linear_bf16(x, w)
-    assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
-    torch.testing.assert_close(ours.double(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
-    theirs = F.linear(x, w).double()
-    assert (ours.double() - ref).abs().max() <= 2 * (theirs - ref).abs().max() + 1e-6
+    check_against_float64(ext.amx_linear_bf16, m, n, k)
 
 
 @amx_here
