@@ -213,13 +213,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def amx_prompt_attention(q: torch.Tensor) -> bool:
-    """Whether prompts with nothing cached take the AMX kernel (csrc/prompt_attention.cpp,
-    1.6-1.9x torch's flash attention here): bf16, head_dim 64, a CPU and kernel that let
-    the process use AMX tiles."""
+def amx_attention(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over new tokens or a shared prefix takes the AMX kernel
+    (csrc/prompt_attention.cpp, 1.6-1.9x torch's flash attention here): bf16, head_dim 64,
+    a CPU and kernel that let the process use AMX tiles."""
     ext = cpu_ops.load()
-    return (q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ext is not None
+    return (dtype == torch.bfloat16 and head_dim == 64 and ext is not None
             and ext.prompt_attention_available())
+
+
+def amx_prompt_attention(q: torch.Tensor) -> bool:
+    return amx_attention(q.dtype, q.shape[-1])
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

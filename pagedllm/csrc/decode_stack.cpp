@@ -39,7 +39,7 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const at::Tensor& block_tables, const at::Tensor& q_starts,
                          const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
                          int64_t num_kv_heads, double eps, double scale, int64_t small_rows,
-                         int64_t amx_rows) {
+                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
                   static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers + 1,
@@ -47,6 +47,20 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [T, hidden]");
   const int64_t tokens = x.size(0), head_dim = k_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // Cascade attention's shared prefix: its blocks as a view of each cache when adjacent (as
+  // cpu_paged.SharedPrefix.cache_index), else copied out of it.
+  int64_t prefix_first = -1;
+  if (prefix_blocks) {
+    const at::Tensor b = prefix_blocks->to(at::kLong);
+    const int64_t first = b[0].item<int64_t>();
+    if (at::equal(b, at::arange(first, first + b.numel(), b.options()))) prefix_first = first;
+  }
+  auto prefix_of = [&](const at::Tensor& cache) {
+    const at::Tensor blocks = prefix_first >= 0
+                                  ? cache.narrow(0, prefix_first, prefix_blocks->numel())
+                                  : cache.index_select(0, *prefix_blocks);
+    return blocks.flatten(0, 1);
+  };
   c10::optional<at::Tensor> residual;
   for (int64_t l = 0; l < layers; ++l) {
     // input norm, qkv (plain, packed), o (plain, packed), post-attention norm, gate/up
@@ -61,8 +75,15 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     store_kv(qk.narrow(1, num_heads, num_kv_heads), v, k_caches[l], v_caches[l], slot_mapping);
     at::Tensor attn = at::empty({tokens, num_heads, head_dim}, x.options());
-    paged_attention(attn, qk.narrow(1, 0, num_heads), k_caches[l], v_caches[l], block_tables,
-                    q_starts, q_lens, k_lens, scale, c10::nullopt, c10::nullopt);
+    const at::Tensor q = qk.narrow(1, 0, num_heads);
+    c10::optional<at::Tensor> prefix_out, prefix_lse;
+    if (prefix_blocks) {
+      prefix_out = at::empty({tokens, num_heads, head_dim}, x.options());
+      prefix_lse = attention_over_keys(*prefix_out, q, prefix_of(k_caches[l]),
+                                       prefix_of(v_caches[l]), scale, false);
+    }
+    paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, q_starts, q_lens, k_lens,
+                    scale, prefix_out, prefix_lse);
     std::vector<at::Tensor> post = rms_norm(linear(attn.view({tokens, q_size}), w[3], w[4], small_rows, amx_rows),
                                             residual, w[5], eps);
     residual = post[1];

@@ -54,6 +54,8 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // down packed; a packed one is oneDNN's), then the final norm's; the attention metadata is
 // the paged_attention kernel's, for the step's rows. Linears take small_linear_bf16 up to
 // small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond (as layers/linear.py).
+// With prefix_blocks, a prefix every row shares that the tables leave out: cascade
+// attention, its part by attention_over_keys (as attention/cpu_paged.py).
 constexpr int64_t kWeightsPerLayer = 10;
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const std::vector<at::Tensor>& weights,
@@ -63,6 +65,6 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const at::Tensor& block_tables, const at::Tensor& q_starts,
                          const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
                          int64_t num_kv_heads, double eps, double scale, int64_t small_rows,
-                         int64_t amx_rows);
+                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks);
 
 }  // namespace pagedllm

@@ -125,8 +125,8 @@ class DecoderModel(nn.Module):
         in the same order as the loop in forward, so the same results), when every layer is
         a plain Llama layer (no q/k norms, biases or tensor parallelism) on the CPU
         paged-attention backend, nothing hooks a layer, the weights are prepacked for
-        oneDNN where more than SMALL_LINEAR_MAX_ROWS rows need them, and the step needs no
-        cascade; otherwise None. Its arguments are gathered anew each step (~30 us):
+        oneDNN where more than SMALL_LINEAR_MAX_ROWS rows need them, and a cascade step (if
+        any) has one prefix shared by all rows and the AMX attention kernel; otherwise None. Its arguments are gathered anew each step (~30 us):
         nothing cached can go stale."""
         ctx = get_context()
         ext = cpu_ops.load()
@@ -160,14 +160,18 @@ class DecoderModel(nn.Module):
             return None
         first = self.layers[0].self_attn
         plan = cpu_paged.decode_plan(ctx, x.shape[0], k_caches[0].shape[1])
-        if plan.prefixes:
-            return None
+        prefix_blocks = None
+        if plan.prefixes:  # cascade: one prefix shared by every row, on the AMX kernel
+            if (len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None
+                    or not cpu_paged.amx_attention(torch.bfloat16, first.head_dim)):
+                return None
+            prefix_blocks = plan.prefixes[0].blocks
         rotary = first.rotary_emb
         return ext.decode_layers(x, positions, weights, k_caches, v_caches, rotary.cos_cache,
                                  rotary.sin_cache, ctx.slot_mapping, plan.tables, plan.q_starts,
                                  plan.q_lens, plan.k_lens, first.num_heads, first.num_kv_heads,
                                  self.norm.eps, first.attn.scale, SMALL_LINEAR_MAX_ROWS,
-                                 amx_linear_rows())
+                                 amx_linear_rows(), prefix_blocks)
 
 
 class LlamaForCausalLM(nn.Module):

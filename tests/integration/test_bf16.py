@@ -137,3 +137,46 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkey
         for a, b in zip(ours, per_op):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_results(monkeypatch):
+    """Rows sharing a cached 320-token prefix decode with cascade attention; the one-call
+    stack then runs the prefix part too (the same AMX kernel as cpu_paged's, merged by the
+    paged kernel): tokens and logprobs equal the per-op forward's. Each side runs in an
+    engine of its own, so both prefill alike (prefix caching on)."""
+    from pagedllm import cpu_ops
+    from pagedllm.attention import cpu_paged
+    from pagedllm.models import llama
+    assert cpu_ops.load() is not None, cpu_ops.load_error
+    if not cpu_paged.amx_attention(torch.bfloat16, 64):
+        pytest.skip("cascade steps take the one-call stack only with the AMX attention kernel")
+    prefix = [2000 + (7 * j) % 5000 for j in range(320)]
+    prompts = [prefix + [100 + 11 * i + j for j in range(5 + 3 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    counts = {"fused": 0, "cascade": 0}
+    fused, plan = llama.DecoderModel._fused_decode, cpu_paged.decode_plan
+
+    def counting_fused(self, x, positions):
+        out = fused(self, x, positions)
+        counts["fused"] += out is not None
+        return out
+
+    def counting_plan(ctx, n, block_size):
+        result = plan(ctx, n, block_size)
+        counts["cascade"] += bool(result.prefixes)
+        return result
+
+    monkeypatch.setattr(cpu_paged, "decode_plan", counting_plan)
+    results = {}
+    for mode in ("fused", "per_op"):
+        monkeypatch.setattr(llama.DecoderModel, "_fused_decode",
+                            counting_fused if mode == "fused" else lambda self, x, positions: None)
+        llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
+                  enable_prefix_caching=True)
+        results[mode] = llm.generate(prompts, params, use_tqdm=False)
+        if mode == "fused":
+            assert counts["fused"] == 11 and counts["cascade"] >= 11, counts
+        del llm
+    for a, b in zip(results["fused"], results["per_op"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
