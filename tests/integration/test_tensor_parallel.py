@@ -187,6 +187,9 @@ if __name__ == "__main__":
     try:
         while engine.has_unfinished_requests():
             engine.step()
+            if mode == "forever" and time.monotonic() - t < 60 and not engine.has_unfinished_requests():
+                for i in range(4):  # more work, until interrupted (at most a minute)
+                    engine.add_request(f"{time.monotonic()}-{i}", "Once upon a time", sp)
     except EngineDeadError as e:
         print(f"ERROR after {time.monotonic() - t:.1f}s: {e}", flush=True)
         sys.exit(3)
@@ -237,8 +240,8 @@ def test_hung_worker_times_out_instead_of_hanging(tmp_path, qwen3_dir):
 
 def test_ctrl_c_stops_every_process(tmp_path, qwen3_dir):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it."""
-    code, out, pids = run_script(
-        tmp_path, qwen3_dir, "run",
+    code, out, pids = run_script(  # the script steps until interrupted: no race with its end
+        tmp_path, qwen3_dir, "forever",
         on_stepping=lambda proc: (time.sleep(0.5), os.killpg(proc.pid, signal.SIGINT)))
     assert "KeyboardInterrupt" in out and "FINISHED" not in out, out
     assert code != 0
