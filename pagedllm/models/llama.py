@@ -126,7 +126,8 @@ class DecoderModel(nn.Module):
         a plain Llama layer (no q/k norms, biases or tensor parallelism) on the CPU
         paged-attention backend, nothing hooks a layer, the weights are prepacked for
         oneDNN where more than SMALL_LINEAR_MAX_ROWS rows need them, and a cascade step (if
-        any) has one prefix shared by all rows and the AMX attention kernel; otherwise None. Its arguments are gathered anew each step (~30 us):
+        any) has one prefix shared by all rows and the AMX attention kernel; otherwise None.
+        Its arguments are gathered anew each step (~30 us):
         nothing cached can go stale."""
         ctx = get_context()
         ext = cpu_ops.load()
