@@ -219,7 +219,7 @@ def amx_attention(dtype: torch.dtype, head_dim: int) -> bool:
     a CPU and kernel that let the process use AMX tiles."""
     ext = cpu_ops.load()
     return (dtype == torch.bfloat16 and head_dim == 64 and ext is not None
-            and ext.prompt_attention_available())
+            and ext.amx_available())
 
 
 def amx_prompt_attention(q: torch.Tensor) -> bool:

@@ -62,3 +62,16 @@ inline void transpose16x16(__m512i r[16]) {
 }  // namespace pagedllm
 
 #endif  // PAGEDLLM_AMX
+
+namespace pagedllm {
+
+// Whether this build and CPU run the AMX kernels (prompt_attention.cpp, amx_linear.cpp).
+inline bool amx_available() {
+#if defined(PAGEDLLM_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace pagedllm

@@ -45,16 +45,8 @@ void bands(const BF16* w, int64_t K, const uint32_t* xt, float* c) {
 }  // namespace
 #endif
 
-bool has_amx_linear_bf16() {
-#if defined(PAGEDLLM_AMX)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
-
 at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(has_amx_linear_bf16(), "the AMX linear is not available here");
+  TORCH_CHECK(amx_available(), "the AMX linear is not available here");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "x [M, K] and w [N, K] must agree on K");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,

@@ -39,7 +39,8 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const at::Tensor& block_tables, const at::Tensor& q_starts,
                          const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
                          int64_t num_kv_heads, double eps, double scale, int64_t small_rows,
-                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks) {
+                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks,
+                         int64_t prefix_first) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
                   static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers + 1,
@@ -47,15 +48,7 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [T, hidden]");
   const int64_t tokens = x.size(0), head_dim = k_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  // Cascade attention's shared prefix: its blocks as a view of each cache when adjacent (as
-  // cpu_paged.SharedPrefix.cache_index), else copied out of it.
-  int64_t prefix_first = -1;
-  if (prefix_blocks) {
-    const at::Tensor b = prefix_blocks->to(at::kLong);
-    const int64_t first = b[0].item<int64_t>();
-    if (at::equal(b, at::arange(first, first + b.numel(), b.options()))) prefix_first = first;
-  }
-  auto prefix_of = [&](const at::Tensor& cache) {
+  auto prefix_of = [&](const at::Tensor& cache) {  // cascade's shared prefix, [S, Hkv, D]
     const at::Tensor blocks = prefix_first >= 0
                                   ? cache.narrow(0, prefix_first, prefix_blocks->numel())
                                   : cache.index_select(0, *prefix_blocks);

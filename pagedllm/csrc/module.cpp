@@ -1,3 +1,4 @@
+#include "amx.h"
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -16,8 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "positions; else a prefix before them all), AMX, bf16; returns each query's "
         "log-sum-exp", py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("scale"), py::arg("causal"));
-  m.def("prompt_attention_available", &pagedllm::prompt_attention_available,
-        "whether this build and CPU run the AMX prompt attention");
+  m.def("amx_available", &pagedllm::amx_available,
+        "whether this build and CPU run the AMX kernels (prompt attention, linear)");
   m.def("store_kv", &pagedllm::store_kv, "write new tokens' K and V into their cache slots");
   m.def("small_linear_bf16", &pagedllm::small_linear_bf16,
         "x w^T for a few bf16 rows x, streaming the bf16 weight w once");
@@ -25,8 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build has the AVX512-BF16 small-batch linear");
   m.def("amx_linear_bf16", &pagedllm::amx_linear_bf16,
         "x w^T for 1-32 bf16 rows x on AMX tiles, from the plain bf16 weight w");
-  m.def("has_amx_linear_bf16", &pagedllm::has_amx_linear_bf16,
-        "whether this build and CPU run the AMX linear");
   m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");

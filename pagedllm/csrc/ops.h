@@ -13,12 +13,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      double scale, const c10::optional<at::Tensor>& prefix_out,
                      const c10::optional<at::Tensor>& prefix_lse);
 // out[prompts' tokens] = causal attention of each prompt (q/k/v[starts[i]:][:lens[i]]) over
-// its own tokens, bf16, on AMX tiles (prompt_attention.cpp); available only where the CPU
-// and the kernel let this process use AMX.
+// its own tokens, bf16, on AMX tiles (prompt_attention.cpp); only where amx_available()
+// (amx.h): the CPU and the kernel let this process use AMX.
 void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
                       double scale);
-bool prompt_attention_available();
 // out = attention of the queries q [T, H, D] over the keys k/v [S, Hkv, D]: causal, the
 // queries are the last T of the S positions (a chunk over its cached prefix); otherwise
 // every query sees every key (a shared prefix that precedes them all). Returns each query's
@@ -35,9 +34,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 at::Tensor small_linear_bf16(const at::Tensor& x, const at::Tensor& w);
 bool has_small_linear_bf16();
 // The same for 1-32 rows on AMX tiles (amx_linear.cpp), reading the plain weight; K and N
-// multiples of 32. Only where the CPU and the kernel let this process use AMX.
+// multiples of 32. Only where amx_available().
 at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& w);
-bool has_amx_linear_bf16();
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
@@ -55,7 +53,9 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // the paged_attention kernel's, for the step's rows. Linears take small_linear_bf16 up to
 // small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond (as layers/linear.py).
 // With prefix_blocks, a prefix every row shares that the tables leave out: cascade
-// attention, its part by attention_over_keys (as attention/cpu_paged.py).
+// attention, its part by attention_over_keys (as attention/cpu_paged.py) on a view of each
+// cache from block prefix_first when the blocks are adjacent (prefix_first >= 0, as
+// cpu_paged.SharedPrefix.cache_index found), else on a copy of them.
 constexpr int64_t kWeightsPerLayer = 10;
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const std::vector<at::Tensor>& weights,
@@ -65,6 +65,7 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const at::Tensor& block_tables, const at::Tensor& q_starts,
                          const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
                          int64_t num_kv_heads, double eps, double scale, int64_t small_rows,
-                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks);
+                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks,
+                         int64_t prefix_first);
 
 }  // namespace pagedllm

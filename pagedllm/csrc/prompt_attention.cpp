@@ -20,7 +20,7 @@
 //
 // Work items are (prompt, query head, 16-query block), largest first, handed out one at a
 // time. A build or CPU without AMX (or a kernel that refuses AMX to the process) has no
-// kernel here: prompt_attention_available() says so and the caller takes torch's.
+// kernel here: amx_available() says so and the caller takes torch's.
 #include "amx.h"
 #include "ops.h"
 #include "simd.h"
@@ -39,18 +39,19 @@ namespace {
 
 #if defined(PAGEDLLM_AMX)
 
-constexpr int64_t kBlock = 32;        // keys per chunk
+constexpr int64_t kBlock = 32;  // keys per chunk
+constexpr int64_t kDim = 64;    // head_dim: O^T is 4 accumulator tiles, kept in tiles
 using BF16 = c10::BFloat16;
 
 using pagedllm::configure_tiles;
 using pagedllm::transpose16x16;
 
-struct Prompts {
+struct Segments {
   const BF16 *q, *k, *v;
   BF16* out;
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
   int64_t out_stride_t, out_stride_h;
-  int64_t heads, kv_heads, dim;
+  int64_t heads, kv_heads;  // head_dim is kDim
   // Segment i: queries q[q_starts[i]:][:q_lens[i]] over keys k/v[k_starts[i]:][:k_lens[i]];
   // causal: the queries are the last q_lens[i] of the k_lens[i] positions (each sees the
   // keys up to its own); otherwise every query sees every key.
@@ -63,23 +64,23 @@ struct Prompts {
 };
 
 // One 32-key chunk of one (prompt, KV head), rearranged for the tiles:
-//   keys: [32 keys][dim]    the left operand of S^T = K Q^T (a tile row is a key)
-//   vt:   [dim][32 keys]    the left operand of O^T = V^T P^T (a tile row is a dimension)
+//   keys: [32 keys][kDim]   the left operand of S^T = K Q^T (a tile row is a key)
+//   vt:   [kDim][32 keys]   the left operand of O^T = V^T P^T (a tile row is a dimension)
 // Keys past the prompt's end are zeros (their scores are masked, and 0 * V must be 0).
 // Working on transposes puts the 16 queries of a tile across a vector's lanes: the softmax's
 // row maxima and sums are lane-wise (no reduction across lanes), and so is rescaling O.
-int64_t chunk_elems(int64_t dim) { return 2 * kBlock * dim; }
+constexpr int64_t kChunkElems = 2 * kBlock * kDim;
 
-void rearrange_chunk(const Prompts& p, int64_t prompt, int64_t kv_head, int64_t chunk,
+void rearrange_chunk(const Segments& p, int64_t prompt, int64_t kv_head, int64_t chunk,
                      BF16* dst) {
-  const int64_t dim = p.dim, len = p.k_lens[prompt], k0 = chunk * kBlock;
+  const int64_t len = p.k_lens[prompt], k0 = chunk * kBlock;
   const BF16* k = p.k + p.k_starts[prompt] * p.k_stride_t + kv_head * p.k_stride_h;
   const BF16* v = p.v + p.k_starts[prompt] * p.v_stride_t + kv_head * p.v_stride_h;
   // V as 32-bit units (pairs of dims), transposed 16 x 16 at a time: vu[unit][key half]
   // holds 16 keys' (V[key][2 unit], V[key][2 unit + 1]).
   __m512i vu[32][2];
   for (int64_t half = 0; half < 2; ++half)
-    for (int64_t ub = 0; ub < dim / 32; ++ub) {
+    for (int64_t ub = 0; ub < kDim / 32; ++ub) {
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t key = k0 + half * 16 + i;
@@ -94,8 +95,8 @@ void rearrange_chunk(const Prompts& p, int64_t prompt, int64_t kv_head, int64_t 
                                         34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6,
                                         4, 2, 0);
   const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
-  BF16* vt = dst + kBlock * dim;
-  for (int64_t u = 0; u < dim / 2; ++u) {
+  BF16* vt = dst + kBlock * kDim;
+  for (int64_t u = 0; u < kDim / 2; ++u) {
     _mm512_storeu_si512(vt + (2 * u) * kBlock, _mm512_permutex2var_epi16(vu[u][0], even, vu[u][1]));
     _mm512_storeu_si512(vt + (2 * u + 1) * kBlock,
                         _mm512_permutex2var_epi16(vu[u][0], odd, vu[u][1]));
@@ -103,14 +104,13 @@ void rearrange_chunk(const Prompts& p, int64_t prompt, int64_t kv_head, int64_t 
   for (int64_t j = 0; j < kBlock; ++j) {
     const int64_t key = k0 + j;
     if (key < len)
-      std::copy_n(k + key * p.k_stride_t, dim, dst + j * dim);
+      std::copy_n(k + key * p.k_stride_t, kDim, dst + j * kDim);
     else
-      std::fill_n(dst + j * dim, dim, BF16(0.f));
+      std::fill_n(dst + j * kDim, kDim, BF16(0.f));
   }
 }
 
 constexpr int64_t kQueries = 16;  // queries per work item: one tile's lanes
-constexpr int64_t kDim = 64;      // head_dim: O^T is 4 accumulator tiles, kept in tiles
 // The running maximum of a query is raised (and O and the sum rescaled) only when a chunk's
 // scores exceed it by more than this: until then e^(score - max) <= e^8 ~ 3000, as exact in
 // fp32 and bf16 as below 1 (softmax does not depend on the shift). Rescaling means moving
@@ -163,7 +163,7 @@ inline void load_acc(Scratch& s) {
   _tile_loadd(3, s.acc + 48 * kQueries, 64);
 }
 
-void attend_block(const Prompts& p, const BF16* rearranged, int64_t prompt, int64_t head,
+void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int64_t head,
                   int64_t block, Scratch& s) {
   const int64_t len = p.q_lens[prompt], keys_len = p.k_lens[prompt], q0 = block * kQueries;
   const int64_t offset = keys_len - len;  // causal: query i sits at position offset + i
@@ -186,7 +186,7 @@ void attend_block(const Prompts& p, const BF16* rearranged, int64_t prompt, int6
   const int64_t last_key = p.causal ? offset + std::min(q0 + kQueries, len) - 1 : keys_len - 1;
   for (int64_t c = 0; c * kBlock <= last_key; ++c) {
     const BF16* keys = rearranged +
-                       ((p.chunk_offset[prompt] + c) * p.kv_heads + kv_head) * chunk_elems(kDim);
+                       ((p.chunk_offset[prompt] + c) * p.kv_heads + kv_head) * kChunkElems;
     const BF16* vt = keys + kBlock * kDim;
     _tile_zero(4);
     _tile_zero(5);
@@ -271,19 +271,11 @@ void attend_block(const Prompts& p, const BF16* rearranged, int64_t prompt, int6
 
 namespace pagedllm {
 
-bool prompt_attention_available() {
-#if defined(PAGEDLLM_AMX)
-  return pagedllm::amx_permitted();
-#else
-  return false;
-#endif
-}
-
 namespace {
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v) {
-  TORCH_CHECK(prompt_attention_available(), "the AMX prompt attention is not available here");
+  TORCH_CHECK(amx_available(), "the AMX prompt attention is not available here");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
               "q, out [T, H, D] and k, v [S, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -297,14 +289,14 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 }
 
 #if defined(PAGEDLLM_AMX)
-void run(Prompts& p, int64_t n) {
+void run(Segments& p, int64_t n) {
   p.chunk_offset.assign(n + 1, 0);
   for (int64_t i = 0; i < n; ++i)
     p.chunk_offset[i + 1] = p.chunk_offset[i] + (p.k_lens[i] + kBlock - 1) / kBlock;
   const int64_t total_chunks = p.chunk_offset[n];
   // Every element is written by the first pass: no zeroing (a 1,024-token prefix of 3 KV
   // heads is 0.8 MB per layer).
-  std::unique_ptr<BF16[]> rearranged(new BF16[total_chunks * p.kv_heads * chunk_elems(p.dim)]);
+  std::unique_ptr<BF16[]> rearranged(new BF16[total_chunks * p.kv_heads * kChunkElems]);
   // (segment, chunk) pairs, then every KV head of each: the first pass, in parallel.
   std::vector<std::pair<int64_t, int64_t>> chunk_ids;
   chunk_ids.reserve(total_chunks);
@@ -317,7 +309,7 @@ void run(Prompts& p, int64_t n) {
       const int64_t h = j % p.kv_heads;
       rearrange_chunk(p, segment, h, c,
                       rearranged.get() + ((p.chunk_offset[segment] + c) * p.kv_heads + h) *
-                                              chunk_elems(p.dim));
+                                              kChunkElems);
     }
   });
   // (segment, head, query block), the most key chunks first.
@@ -345,11 +337,11 @@ void run(Prompts& p, int64_t n) {
   });
 }
 
-Prompts make_prompts(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+Segments make_segments(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, float scale, bool causal) {
-  Prompts p{q.data_ptr<BF16>(), k.data_ptr<BF16>(), v.data_ptr<BF16>(), out.data_ptr<BF16>(),
+  Segments p{q.data_ptr<BF16>(), k.data_ptr<BF16>(), v.data_ptr<BF16>(), out.data_ptr<BF16>(),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), q.size(1), k.size(1), q.size(2)};
+            out.stride(0), out.stride(1), q.size(1), k.size(1)};
   p.causal = causal;
   p.scale = scale;
   return p;
@@ -374,7 +366,7 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
     TORCH_CHECK(ln[i] > 0 && st[i] >= 0 && st[i] + ln[i] <= tokens, "prompt ", i,
                 " lies outside q");
 #if defined(PAGEDLLM_AMX)
-  Prompts p = make_prompts(out, q, k, v, static_cast<float>(scale), true);
+  Segments p = make_segments(out, q, k, v, static_cast<float>(scale), true);
   p.q_starts = p.k_starts = st;
   p.q_lens = p.k_lens = ln;
   run(p, n);
@@ -388,7 +380,7 @@ at::Tensor attention_over_keys(at::Tensor out, const at::Tensor& q, const at::Te
   TORCH_CHECK(!causal || q.size(0) <= k.size(0), "causal: the queries are the last of the keys' positions");
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
 #if defined(PAGEDLLM_AMX)
-  Prompts p = make_prompts(out, q, k, v, static_cast<float>(scale), causal);
+  Segments p = make_segments(out, q, k, v, static_cast<float>(scale), causal);
   const int64_t zero = 0, queries = q.size(0), keys = k.size(0);
   p.q_starts = p.k_starts = &zero;
   p.q_lens = &queries;

@@ -39,7 +39,7 @@ def _small_linear_kernel():
 
 def amx_linear_rows() -> int:
     """Up to how many rows bf16 linears take the AMX kernel (0: none here)."""
-    return AMX_LINEAR_MAX_ROWS if _kernel("amx_linear_bf16", "has_amx_linear_bf16") else 0
+    return AMX_LINEAR_MAX_ROWS if _kernel("amx_linear_bf16", "amx_available") else 0
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 kernel = _small_linear_kernel()
             elif (rows <= amx_linear_rows() and x.shape[1] % 32 == 0
                   and weight.shape[0] % 32 == 0):
-                kernel = _kernel("amx_linear_bf16", "has_amx_linear_bf16")
+                kernel = _kernel("amx_linear_bf16", "amx_available")
             if kernel:
                 y = kernel(x if x.stride(1) == 1 else x.contiguous(), weight)
                 return y if bias is None else y + bias

@@ -161,18 +161,21 @@ class DecoderModel(nn.Module):
             return None
         first = self.layers[0].self_attn
         plan = cpu_paged.decode_plan(ctx, x.shape[0], k_caches[0].shape[1])
-        prefix_blocks = None
+        prefix_blocks, prefix_first = None, -1
         if plan.prefixes:  # cascade: one prefix shared by every row, on the AMX kernel
             if (len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None
                     or not cpu_paged.amx_attention(torch.bfloat16, first.head_dim)):
                 return None
-            prefix_blocks = plan.prefixes[0].blocks
+            prefix = plan.prefixes[0]
+            prefix_blocks = prefix.blocks
+            if isinstance(prefix.cache_index, slice):  # adjacent blocks: a view of the cache
+                prefix_first = prefix.cache_index.start
         rotary = first.rotary_emb
         return ext.decode_layers(x, positions, weights, k_caches, v_caches, rotary.cos_cache,
                                  rotary.sin_cache, ctx.slot_mapping, plan.tables, plan.q_starts,
                                  plan.q_lens, plan.k_lens, first.num_heads, first.num_kv_heads,
                                  self.norm.eps, first.attn.scale, SMALL_LINEAR_MAX_ROWS,
-                                 amx_linear_rows(), prefix_blocks)
+                                 amx_linear_rows(), prefix_blocks, prefix_first)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -142,8 +142,9 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkey
 def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_results(monkeypatch):
     """Rows sharing a cached 320-token prefix decode with cascade attention; the one-call
     stack then runs the prefix part too (the same AMX kernel as cpu_paged's, merged by the
-    paged kernel): tokens and logprobs equal the per-op forward's. Each side runs in an
-    engine of its own, so both prefill alike (prefix caching on)."""
+    paged kernel): tokens and logprobs equal the per-op forward's, both when the prefix's
+    blocks are adjacent (a view of the cache) and when they are taken as a copy. Each run
+    has an engine of its own, so all prefill alike (prefix caching on)."""
     from pagedllm import cpu_ops
     from pagedllm.attention import cpu_paged
     from pagedllm.models import llama
@@ -168,15 +169,21 @@ def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_res
 
     monkeypatch.setattr(cpu_paged, "decode_plan", counting_plan)
     results = {}
-    for mode in ("fused", "per_op"):
+    for mode in ("fused", "fused_copied", "per_op"):
+        if mode == "fused_copied":  # the prefix's blocks as if they were not adjacent
+            monkeypatch.setattr(cpu_paged.SharedPrefix, "cache_index",
+                                property(lambda self: self.blocks))
         monkeypatch.setattr(llama.DecoderModel, "_fused_decode",
-                            counting_fused if mode == "fused" else lambda self, x, positions: None)
+                            lambda self, x, positions: None if mode == "per_op" else
+                            counting_fused(self, x, positions))
         llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
                   enable_prefix_caching=True)
+        counts.update(fused=0, cascade=0)
         results[mode] = llm.generate(prompts, params, use_tqdm=False)
-        if mode == "fused":
+        if mode != "per_op":
             assert counts["fused"] == 11 and counts["cascade"] >= 11, counts
         del llm
-    for a, b in zip(results["fused"], results["per_op"]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    for mode in ("fused", "fused_copied"):
+        for a, b in zip(results[mode], results["per_op"]):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, mode
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs, mode
