@@ -139,6 +139,47 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkey
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first_step(llm):
+    """The one-call stack's arguments are gathered once and checked by identity each step:
+    a forward hook put on one layer sends the decode steps back to the per-op forward (the
+    hook runs in every step) and, removed, lets the same gathered stack take them again; a
+    layer's KV cache rebound to another tensor makes the stack gather anew, with it."""
+    from pagedllm import cpu_ops
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("the fused decode stack needs a CPU with AVX512-BF16")
+    assert cpu_ops.load() is not None, cpu_ops.load_error
+    model = llm.engine.model_runner.model.model
+    prompt = [[1000 + 7 * j for j in range(20)]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    stack = model._fused_stacks[True]  # one row: the plain weights' stack
+    calls = 0
+
+    def hook(module, args, output):
+        nonlocal calls
+        calls += 1
+
+    handle = model.layers[17].register_forward_hook(hook)
+    try:
+        hooked = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        handle.remove()
+    assert calls == 6  # the prefill and all 5 decode steps ran layer 17 as a module
+    again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert model._fused_stacks[True] is stack
+    assert hooked == first and again == first
+    attn = model.layers[3].self_attn.attn
+    cache = attn.k_cache
+    attn.k_cache = cache.clone()
+    try:
+        assert not stack.current()
+        rebound = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert model._fused_stacks[True].k_caches[3] is attn.k_cache
+    finally:
+        attn.k_cache = cache
+    assert rebound == first
+
+
 def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_results(monkeypatch):
     """Rows sharing a cached 320-token prefix decode with cascade attention; the one-call
     stack then runs the prefix part too (the same AMX kernel as cpu_paged's, merged by the
