@@ -98,6 +98,11 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(x), residual
 
 
+def _hooked(layer: nn.Module) -> bool:
+    """Whether a forward (pre-)hook sits on the layer: the one-call stack would skip it."""
+    return bool(layer._forward_pre_hooks or layer._forward_hooks)
+
+
 class _FusedStack:
     """The one-call decode stack's per-model arguments: each layer's norms and linear weights
     (the plain ones for few rows, else oneDNN's packed ones), the final norm, the KV caches;
@@ -112,7 +117,7 @@ class _FusedStack:
 
     def current(self) -> bool:
         """Nothing hooks a layer, and the caches and packed weights are those gathered."""
-        return (not any(layer._forward_pre_hooks or layer._forward_hooks for layer in self.layers)
+        return (not any(_hooked(layer) for layer in self.layers)
                 and all(a.k_cache is k and a.v_cache is v
                         for a, k, v in zip(self.attns, self.k_caches, self.v_caches))
                 and all(m.packed_weight is w for m, w in zip(self.linears, self.packed)))
@@ -122,7 +127,7 @@ class _FusedStack:
         """The arguments, or None where the one-call stack does not apply."""
         layers, linears, weights, attns = list(model.layers), [], [], []
         for layer in layers:
-            if type(layer) is not DecoderLayer or layer._forward_pre_hooks or layer._forward_hooks:
+            if type(layer) is not DecoderLayer or _hooked(layer):
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             if (attn.q_norm is not None or attn.qkv_proj.bias is not None
