@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.hardware import MachineMeasurement, machine_info, measure_machine
-from pagedllm.bench.report import format_machine, format_serving, format_table, write_chart, write_json
+from pagedllm.bench.report import (format_bounds, format_machine, format_serving, format_table,
+                                   write_chart, write_json)
 from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
 from pagedllm.bench.roofline import (ModelCost, decode_step_roofline_seconds, model_cost,
                                      prefill_roofline_seconds, workload_roofline)
@@ -294,9 +295,11 @@ class Bench:
                 result.roofline_fraction = result.decode_tok_s / bound_tok_s
             return
         roof = workload_roofline(self.cost, w, itemsize, peak, bw)
-        result.roofline = {**roof.summary(), "tok_s": w.num_output_tokens / roof.seconds}
+        result.roofline = {**roof.summary(), "tok_s": w.num_output_tokens / roof.seconds,
+                           "serial_tok_s": w.num_output_tokens / roof.serial_seconds}
         if result.elapsed_s:
             result.roofline_fraction = roof.seconds / result.elapsed_s
+            result.serial_fraction = roof.serial_seconds / result.elapsed_s
 
     # ---- output ---------------------------------------------------------------------------
 
@@ -348,6 +351,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     write_json(doc, json_path)
     print(format_machine(doc) if doc["hardware"] else "")
     print(format_table(bench.results))
+    bounds = format_bounds(bench.results)
+    if bounds:
+        print(bounds)
     serving = format_serving(bench.results)
     if serving:
         print(serving)

@@ -35,7 +35,7 @@ def relative_to(results: list[BenchResult], engine: str) -> dict[int, float]:
 
 def format_table(results: list[BenchResult]) -> str:
     header = ["workload", "engine", "dtype", "thr", "out tok/s", "total tok/s", "req/s",
-              "TTFT ms", "decode tok/s", "roofline", "vs HF", "exact", "versions"]
+              "TTFT ms", "decode tok/s", "roofline", "serial", "vs HF", "exact", "versions"]
     vs_hf = relative_to(results, "hf-transformers")
     rows = []
     for i, r in enumerate(results):
@@ -44,7 +44,7 @@ def format_table(results: list[BenchResult]) -> str:
         rows.append([r.workload, engine, r.dtype, str(r.threads), _fmt(r.output_tok_s),
                      _fmt(r.total_tok_s), _fmt(r.req_s, ".2f"),
                      _fmt(None if r.ttft_s is None else 1000 * r.ttft_s, ".0f"),
-                     _fmt(r.decode_tok_s), _pct(r.roofline_fraction),
+                     _fmt(r.decode_tok_s), _pct(r.roofline_fraction), _pct(r.serial_fraction),
                      _fmt(vs_hf.get(i), ".2f") + "x" if i in vs_hf else "-",
                      "yes" if r.exact_output_lens else "NO", versions])
     widths = [max(len(h), *(len(row[c]) for row in rows)) if rows else len(h)
@@ -52,6 +52,25 @@ def format_table(results: list[BenchResult]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def format_bounds(results: list[BenchResult]) -> str:
+    """One line per throughput workload and dtype: what its roofline and serial bound are
+    made of (the "roofline" and "serial" columns are each engine's fraction of them)."""
+    lines, seen = [], set()
+    for r in results:
+        b = r.roofline
+        if not b or "serial_seconds" not in b or (r.workload, r.dtype) in seen:
+            continue
+        seen.add((r.workload, r.dtype))
+        prompt_s = b["prompt_gflop"] / b["peak_gflops"]
+        lines.append(
+            f"bounds {r.workload} {r.dtype}: all FLOPs at the peak {b['compute_seconds']:.2f} s, "
+            f"decode bytes at the bandwidth {b['memory_seconds']:.2f} s -> roofline "
+            f"{b['seconds']:.2f} s ({b['tok_s']:,.0f} out tok/s); prompts at the peak "
+            f"{prompt_s:.2f} s then decode -> serial {b['serial_seconds']:.2f} s "
+            f"({b['serial_tok_s']:,.0f} out tok/s)")
     return "\n".join(lines)
 
 

@@ -67,6 +67,7 @@ class BenchResult:
     decode_tok_s: float | None = None
     roofline: dict | None = None
     roofline_fraction: float | None = None
+    serial_fraction: float | None = None  # of the serial bound (see roofline.py)
     serving: dict | None = None         # TTFT/TPOT/ITL/E2E percentiles of `bench serve`
     notes: str = ""
 

@@ -10,6 +10,11 @@ The roofline of a workload is the larger of two lower bounds:
   memory:  the weights read once per decode step (at least max output length - 1 steps)
            plus every decode token reading its whole context's K and V, at the measured
            memory bandwidth.
+It assumes the compute-bound work (prompts) and the memory-bound work (decode) overlap
+perfectly. The serial bound does not: the prompts' FLOPs at the peak, then the decode at
+its own roofline (a request's decode cannot start before its prompt, and on a CPU the same
+cores do both). An engine that runs every kernel at the machine's limit but never overlaps
+the two reaches the serial bound, not the roofline.
 Work shared between requests (W3's common prefix) is counted once: the roofline belongs
 to the workload, not to an engine's choices.
 """
@@ -62,6 +67,14 @@ def _sum_range(lo: int, hi: int) -> int:
     return (lo + hi) * (hi - lo + 1) // 2 if hi >= lo else 0
 
 
+def request_prompt_flops(cost: ModelCost, r: BenchRequest, cached_prefix: int = 0) -> float:
+    """FLOPs of a request's prompt: its new prompt tokens through the body, their
+    attention, and the LM head for the first output token."""
+    p = r.prompt_len
+    return ((p - cached_prefix) * cost.body_flops_per_token + cost.head_flops_per_token
+            + _sum_range(cached_prefix + 1, p) * cost.attn_flops_per_pair)
+
+
 def request_flops(cost: ModelCost, r: BenchRequest, cached_prefix: int = 0) -> float:
     """FLOPs of one request whose first ``cached_prefix`` prompt tokens are already computed.
 
@@ -76,15 +89,26 @@ def request_flops(cost: ModelCost, r: BenchRequest, cached_prefix: int = 0) -> f
             + pairs * cost.attn_flops_per_pair)
 
 
+def _cached_prefixes(workload: Workload) -> list[int]:
+    """Per request, the prompt tokens it finds computed: the first request with a shared
+    prefix pays for it, the others find it cached."""
+    out, seen_prefix = [], False
+    for r in workload.requests:
+        out.append(r.shared_prefix_len if seen_prefix else 0)
+        seen_prefix = seen_prefix or r.shared_prefix_len > 0
+    return out
+
+
 def workload_flops(cost: ModelCost, workload: Workload) -> float:
     """Total FLOPs, with a prefix shared by several requests computed only once."""
-    total, seen_prefix = 0.0, False
-    for r in workload.requests:
-        # The first request with a shared prefix pays for it; the others find it cached.
-        cached = r.shared_prefix_len if seen_prefix else 0
-        total += request_flops(cost, r, cached)
-        seen_prefix = seen_prefix or r.shared_prefix_len > 0
-    return total
+    return sum(request_flops(cost, r, c)
+               for r, c in zip(workload.requests, _cached_prefixes(workload)))
+
+
+def workload_prompt_flops(cost: ModelCost, workload: Workload) -> float:
+    """The part of workload_flops that processes prompts (up to each first output token)."""
+    return sum(request_prompt_flops(cost, r, c)
+               for r, c in zip(workload.requests, _cached_prefixes(workload)))
 
 
 def workload_min_bytes(cost: ModelCost, workload: Workload, itemsize: int) -> float:
@@ -101,6 +125,7 @@ class Roofline:
     min_bytes: float
     peak_gflops: float
     bandwidth_gbs: float
+    prompt_flops: float = 0.0  # the part of flops that processes prompts
 
     @property
     def compute_seconds(self) -> float:
@@ -115,6 +140,13 @@ class Roofline:
         return max(self.compute_seconds, self.memory_seconds)
 
     @property
+    def serial_seconds(self) -> float:
+        """The prompts at the peak, then the decode at its own roofline."""
+        prompt_s = self.prompt_flops / (self.peak_gflops * 1e9)
+        decode_compute_s = (self.flops - self.prompt_flops) / (self.peak_gflops * 1e9)
+        return prompt_s + max(decode_compute_s, self.memory_seconds)
+
+    @property
     def bound(self) -> str:
         return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
 
@@ -122,13 +154,14 @@ class Roofline:
         return {"gflop": self.flops / 1e9, "min_gbytes": self.min_bytes / 1e9,
                 "peak_gflops": self.peak_gflops, "bandwidth_gbs": self.bandwidth_gbs,
                 "compute_seconds": self.compute_seconds, "memory_seconds": self.memory_seconds,
-                "seconds": self.seconds, "bound": self.bound}
+                "seconds": self.seconds, "bound": self.bound,
+                "prompt_gflop": self.prompt_flops / 1e9, "serial_seconds": self.serial_seconds}
 
 
 def workload_roofline(cost: ModelCost, workload: Workload, itemsize: int, peak_gflops: float,
                       bandwidth_gbs: float) -> Roofline:
     return Roofline(workload_flops(cost, workload), workload_min_bytes(cost, workload, itemsize),
-                    peak_gflops, bandwidth_gbs)
+                    peak_gflops, bandwidth_gbs, workload_prompt_flops(cost, workload))
 
 
 def decode_step_roofline_seconds(cost: ModelCost, context_len: int, itemsize: int,

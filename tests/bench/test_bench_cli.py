@@ -69,9 +69,13 @@ def test_rows_state_engine_dtype_threads_versions_and_roofline(bench_all):
         # machine the probe can read low and an engine land above 1, so only its sanity here.
         assert 0 < r["roofline_fraction"] < 10, r
         if r["workload"] == "latency":
+            assert r["serial_fraction"] is None
             assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0
         else:
             assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"] and r["req_s"] > 0
+            # The serial bound is slower than the roofline, so an engine reaches more of it.
+            assert r["serial_fraction"] > r["roofline_fraction"], r
+            assert r["roofline"]["serial_tok_s"] < r["roofline"]["tok_s"]
     hw = doc["hardware"]
     assert hw["matmul_gflops"]["float32"] > 0 and hw["memory_read_gbs"] > 0
     assert 0.2 < doc["model"]["cost"]["gflop_per_prompt_token"] < 0.22
@@ -96,6 +100,10 @@ def test_hf_reports_the_best_of_its_batch_sizes(bench_all):
 def test_table_and_chart_are_written(bench_all):
     r, doc, out = bench_all
     assert "out tok/s" in r.stdout and "hf-transformers" in r.stdout
+    bounds = [line for line in r.stdout.splitlines() if line.startswith("bounds ")]
+    assert sorted(line.split(":")[0] for line in bounds) == ["bounds prefix float32",
+                                                             "bounds throughput float32"]
+    assert all("roofline" in line and "serial" in line for line in bounds)
     png = doc["outputs"]["png"]
     assert png == str(out / "all.png")
     with open(png, "rb") as f:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.bench.roofline import (model_cost, request_flops, workload_flops,
-                                     workload_min_bytes, workload_roofline)
+from pagedllm.bench.roofline import (model_cost, request_flops, request_prompt_flops,
+                                     workload_flops, workload_min_bytes, workload_prompt_flops,
+                                     workload_roofline)
 from pagedllm.bench.workloads import BenchRequest, Workload
 from pagedllm.loader import load_model_source
 from pagedllm.models.registry import model_class
@@ -56,3 +57,38 @@ def test_roofline_is_the_slower_of_compute_and_memory(smollm_config):
     assert roof.seconds == max(roof.compute_seconds, roof.memory_seconds)
     # 255 steps x ~0.27 GB of bf16 weights at 30 GB/s: a little over 2 s.
     assert 2.0 < roof.seconds < 2.6
+
+
+def test_prompt_flops_are_the_prompt_tokens_their_attention_and_the_first_lm_head(smollm_config):
+    cost = model_cost(smollm_config)
+    r = BenchRequest(list(range(3)), output_len=2)
+    assert request_prompt_flops(cost, r) == (3 * cost.body_flops_per_token + cost.head_flops_per_token
+                                             + (1 + 2 + 3) * cost.attn_flops_per_pair)
+    # Over a cached prefix of 2: one new token, which sees 3 keys.
+    assert request_prompt_flops(cost, r, 2) == (cost.body_flops_per_token + cost.head_flops_per_token
+                                                + 3 * cost.attn_flops_per_pair)
+    # The rest of the request's FLOPs is its one decode step: body, head, 4 keys.
+    assert request_flops(cost, r) - request_prompt_flops(cost, r) == (
+        cost.body_flops_per_token + cost.head_flops_per_token + 4 * cost.attn_flops_per_pair)
+    prefix = list(range(32))
+    reqs = [BenchRequest(prefix + [100 + i], 1, shared_prefix_len=32) for i in range(3)]
+    w = Workload("prefix", "", reqs)
+    assert workload_prompt_flops(cost, w) == (request_prompt_flops(cost, reqs[0])
+                                              + 2 * request_prompt_flops(cost, reqs[1], 32))
+
+
+def test_serial_bound_is_the_prompts_at_the_peak_then_the_decode_roofline(smollm_config):
+    cost = model_cost(smollm_config)
+    reqs = [BenchRequest(list(range(512)), 64), BenchRequest(list(range(100)), 32)]
+    w = Workload("throughput", "", reqs)
+    peak, bw = 2000.0, 30.0
+    roof = workload_roofline(cost, w, itemsize=2, peak_gflops=peak, bandwidth_gbs=bw)
+    prompt_s = workload_prompt_flops(cost, w) / (peak * 1e9)
+    decode_compute_s = (workload_flops(cost, w) - workload_prompt_flops(cost, w)) / (peak * 1e9)
+    assert decode_compute_s < roof.memory_seconds  # the decode here is memory-bound
+    assert roof.serial_seconds == pytest.approx(prompt_s + roof.memory_seconds)
+    assert roof.serial_seconds > roof.seconds  # no overlap is slower than perfect overlap
+    # With a slow enough peak the decode's own FLOPs bound it instead of its bytes.
+    slow = workload_roofline(cost, w, itemsize=2, peak_gflops=1.0, bandwidth_gbs=bw)
+    assert slow.serial_seconds == pytest.approx(slow.compute_seconds)
+    assert roof.summary()["serial_seconds"] == roof.serial_seconds
