@@ -137,7 +137,7 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     adjacent ones; no mask: they all come before every query): the output [T, H, D] and the
     log-sum-exp of the scores [T, H].
 
-    One call for all queries: the AMX kernel where it runs (amx_prompt_attention), else
+    One call for all queries: pagedllm's kernel where it runs (prompt_kernel), else
     torch's flash attention with the query heads that share a KV head stacked along the
     query axis, so that the call sees num_kv_heads heads of T * group queries.
     """
@@ -148,7 +148,7 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         keys, values = k_cache[blocks], v_cache[blocks]
     else:  # index_select copies whole blocks ~5x faster than advanced indexing (measured)
         keys, values = (c.index_select(0, blocks) for c in (k_cache, v_cache))
-    if amx_prompt_attention(q):  # the AMX kernel, without a mask
+    if prompt_kernel(q):  # pagedllm's kernel, without a mask
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = cpu_ops.load().attention_over_keys(out, q, keys.flatten(0, 1),
                                                  values.flatten(0, 1), scale, False)
@@ -213,17 +213,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def amx_attention(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention over new tokens or a shared prefix takes the AMX kernel
-    (csrc/prompt_attention.cpp, 1.6-1.9x torch's flash attention here): bf16, head_dim 64,
-    a CPU and kernel that let the process use AMX tiles."""
+def attention_kernel(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over new tokens or a shared prefix takes pagedllm's kernel
+    (csrc/prompt_attention.cpp): bf16, head_dim 64, a build with AVX512-BF16. It runs on
+    AMX tiles where the CPU and kernel allow them (1.6-1.9x torch's flash attention), else
+    on AVX512-BF16 dot products (several times torch's there, which computes in fp32)."""
     ext = cpu_ops.load()
     return (dtype == torch.bfloat16 and head_dim == 64 and ext is not None
-            and ext.amx_available())
+            and ext.prompt_attention_isa() != "")
 
 
-def amx_prompt_attention(q: torch.Tensor) -> bool:
-    return amx_attention(q.dtype, q.shape[-1])
+def prompt_kernel(q: torch.Tensor) -> bool:
+    return attention_kernel(q.dtype, q.shape[-1])
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -233,7 +234,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     assert ctx.seqlens_q is not None and ctx.seqlens_k is not None
     out = torch.empty(q.shape, dtype=q.dtype)
     kernel_rows: list[tuple[int, int, int, int]] = []   # (row, q_start, q_len, k_len)
-    prompts: list[tuple[int, int]] | None = [] if amx_prompt_attention(q) else None
+    prompts: list[tuple[int, int]] | None = [] if prompt_kernel(q) else None
     start = 0
     for i in range(first_row, len(ctx.seqlens_q)):
         len_q, len_k = ctx.seqlens_q[i], ctx.seqlens_k[i]
@@ -245,7 +246,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                                                 causal=True)
         elif len_q <= MAX_KERNEL_QUERY_LEN:
             kernel_rows.append((i, start, len_q, len_k))
-        elif prompts is not None:  # the AMX kernel over the gathered context
+        elif prompts is not None:  # the kernel over the gathered context
             assert ctx.block_tables is not None
             keys, values = (torch_native.gather_kv(c, ctx.block_tables[i], len_k)
                             for c in (k_cache, v_cache))

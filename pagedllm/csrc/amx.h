@@ -35,6 +35,18 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+}  // namespace pagedllm
+
+#endif  // PAGEDLLM_AMX
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The attention kernels of prompt_attention.cpp also run without AMX, on AVX512-BF16 dot
+// products (e.g. AMD Zen 4 and 5).
+#define PAGEDLLM_BF16_DOT 1
+#include <immintrin.h>
+
+namespace pagedllm {
+
 // A 16 x 16 matrix of 32-bit elements, one row per vector, transposed in place.
 inline void transpose16x16(__m512i r[16]) {
   __m512i t[16];
@@ -61,7 +73,7 @@ inline void transpose16x16(__m512i r[16]) {
 
 }  // namespace pagedllm
 
-#endif  // PAGEDLLM_AMX
+#endif  // PAGEDLLM_BF16_DOT
 
 namespace pagedllm {
 

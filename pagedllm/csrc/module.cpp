@@ -9,14 +9,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("k_lens"),
         py::arg("scale"), py::arg("prefix_out") = py::none(), py::arg("prefix_lse") = py::none());
   m.def("prompt_attention", &pagedllm::prompt_attention,
-        "out[prompts' tokens] = causal attention of each prompt over its own tokens (AMX, bf16)",
+        "out[prompts' tokens] = causal attention of each prompt over its own tokens (bf16; "
+        "AMX or AVX512-BF16)",
         py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("starts"),
         py::arg("lens"), py::arg("scale"));
   m.def("attention_over_keys", &pagedllm::attention_over_keys,
         "out = attention of the queries over the keys (causal: the queries are the last "
-        "positions; else a prefix before them all), AMX, bf16; returns each query's "
+        "positions; else a prefix before them all), bf16; returns each query's "
         "log-sum-exp", py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("scale"), py::arg("causal"));
+  m.def("prompt_attention_isa", &pagedllm::prompt_attention_isa,
+        "what prompt_attention and attention_over_keys run on: 'amx', 'avx512_bf16' or '' "
+        "(not built)");
+  m.def("allow_amx_attention", &pagedllm::allow_amx_attention,
+        "tests: False makes the attention kernels use AVX512-BF16 even where AMX runs");
   m.def("amx_available", &pagedllm::amx_available,
         "whether this build and CPU run the AMX kernels (prompt attention, linear)");
   m.def("store_kv", &pagedllm::store_kv, "write new tokens' K and V into their cache slots");

@@ -13,8 +13,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      double scale, const c10::optional<at::Tensor>& prefix_out,
                      const c10::optional<at::Tensor>& prefix_lse);
 // out[prompts' tokens] = causal attention of each prompt (q/k/v[starts[i]:][:lens[i]]) over
-// its own tokens, bf16, on AMX tiles (prompt_attention.cpp); only where amx_available()
-// (amx.h): the CPU and the kernel let this process use AMX.
+// its own tokens, bf16, on AMX tiles (prompt_attention.cpp) where amx_available() (amx.h),
+// else on AVX512-BF16 dot products; only where prompt_attention_isa() is not empty.
 void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
                       double scale);
@@ -25,6 +25,10 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
 // conditions as prompt_attention.
 at::Tensor attention_over_keys(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, double scale, bool causal);
+// What those two run on here: "amx", "avx512_bf16", or "" (not built: no AVX512-BF16).
+std::string prompt_attention_isa();
+// Tests: false makes them take AVX512-BF16 dot products even where AMX runs.
+void allow_amx_attention(bool allowed);
 // Each new token's K and V into its cache slot (block_id * block_size + offset; -1: skip).
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);

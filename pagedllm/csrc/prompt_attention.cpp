@@ -1,4 +1,5 @@
-// Causal attention of prompts over their own tokens, on the CPU's AMX tiles (bf16).
+// Causal attention of prompts over their own tokens, on the CPU's AMX tiles (bf16), or
+// where there are none (AMD Zen 4 and 5), on AVX512-BF16 dot products in the same layout.
 //
 // Torch's flash attention for CPU reaches 270-330 GFLOP/s here on SmolLM2's shapes (9 query
 // heads over 3 KV heads of 64), against a matmul peak near 2,300: in a 2048-token prefill
@@ -18,9 +19,17 @@
 // On SmolLM2's shapes: 1.6x torch's flash attention at 64-256 tokens, 1.8x at 2048 (431
 // and 874 GFLOP/s, 2 threads).
 //
+// Without AMX (a CPU without it, or a kernel that refuses it to the process), each tile
+// product is 256 AVX512-BF16 dot products: for each pair of the right operand's rows, one
+// vector of it against each row of the left operand's pair broadcast to every lane. The
+// 16 x 16 fp32 result stays in registers for the whole sum (S^T, 16 keys at a time), or is
+// loaded and stored once per 32-key chunk (O^T, from Scratch::acc). Torch's flash attention
+// on such a CPU computes in fp32 through MKL's sgemm: about 100 GFLOP/s on 2 Zen 5 cores,
+// a quarter of a 2048-token prefill step.
+//
 // Work items are (prompt, query head, 16-query block), largest first, handed out one at a
-// time. A build or CPU without AMX (or a kernel that refuses AMX to the process) has no
-// kernel here: amx_available() says so and the caller takes torch's.
+// time. A build without AVX512-BF16 has no kernel here: prompt_attention_isa() says so and
+// the caller takes torch's.
 #include "amx.h"
 #include "ops.h"
 #include "simd.h"
@@ -30,6 +39,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -37,13 +47,15 @@
 
 namespace {
 
-#if defined(PAGEDLLM_AMX)
+// Tests turn AMX off to run the AVX512-BF16 path on CPUs that have both.
+std::atomic<bool> amx_allowed{true};
+
+#if defined(PAGEDLLM_BF16_DOT)
 
 constexpr int64_t kBlock = 32;  // keys per chunk
 constexpr int64_t kDim = 64;    // head_dim: O^T is 4 accumulator tiles, kept in tiles
 using BF16 = c10::BFloat16;
 
-using pagedllm::configure_tiles;
 using pagedllm::transpose16x16;
 
 struct Segments {
@@ -149,6 +161,7 @@ inline __m512 exp_scores(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
+#if defined(PAGEDLLM_AMX)
 // O^T's 4 tiles through memory: out to s.acc, or back in.
 inline void store_acc(Scratch& s) {
   _tile_stored(0, s.acc, 64);
@@ -162,7 +175,46 @@ inline void load_acc(Scratch& s) {
   _tile_loadd(2, s.acc + 32 * kQueries, 64);
   _tile_loadd(3, s.acc + 48 * kQueries, 64);
 }
+#endif
 
+// The tile products without tiles (AVX512-BF16). A 32-bit pair of bf16 of the left operand,
+// for a broadcast.
+inline __m512bh pair_at(const BF16* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// S^T [32 keys][16 queries] = K Q^T, into s.scores (keys as in the chunk, Q^T as s.qt).
+inline void scores_by_dots(const BF16* keys, Scratch& s) {
+  for (int64_t half = 0; half < 2; ++half) {
+    __m512 acc[16];
+    for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    const BF16* k = keys + half * 16 * kDim;
+    for (int64_t u = 0; u < kDim / 2; ++u) {  // a pair of dims: row u of Q^T's pair order
+      const __m512bh qv = (__m512bh)_mm512_load_si512(s.qt + u * 16);
+      for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair_at(k + r * kDim + 2 * u), qv);
+    }
+    for (int64_t r = 0; r < 16; ++r) _mm512_store_ps(s.scores + (half * 16 + r) * kQueries, acc[r]);
+  }
+}
+
+// O^T [dims][16 queries] in s.acc += V^T P^T (V^T as in the chunk, P^T as s.pt).
+inline void accumulate_by_dots(const BF16* vt, Scratch& s) {
+  for (int64_t d0 = 0; d0 < kDim; d0 += 16) {
+    __m512 acc[16];
+    for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_load_ps(s.acc + (d0 + r) * kQueries);
+    for (int64_t u = 0; u < kBlock / 2; ++u) {  // a pair of keys
+      const __m512bh pv = (__m512bh)_mm512_load_si512(s.pt + u * 16);
+      for (int64_t r = 0; r < 16; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], pair_at(vt + (d0 + r) * kBlock + 2 * u), pv);
+    }
+    for (int64_t r = 0; r < 16; ++r) _mm512_store_ps(s.acc + (d0 + r) * kQueries, acc[r]);
+  }
+}
+
+// Amx: O^T lives in tiles 0-3 and the products run on tiles; else on AVX512-BF16, O^T in s.acc.
+template <bool Amx>
 void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int64_t head,
                   int64_t block, Scratch& s) {
   const int64_t len = p.q_lens[prompt], keys_len = p.k_lens[prompt], q0 = block * kQueries;
@@ -179,26 +231,36 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
   }
   const __m512 scale = _mm512_set1_ps(p.scale), minus_inf = _mm512_set1_ps(-INFINITY);
   __m512 max = minus_inf, sum = _mm512_setzero_ps();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+#if defined(PAGEDLLM_AMX)
+  if constexpr (Amx) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+#endif
+  if constexpr (!Amx) std::fill_n(s.acc, kDim * kQueries, 0.f);
   const int64_t last_key = p.causal ? offset + std::min(q0 + kQueries, len) - 1 : keys_len - 1;
   for (int64_t c = 0; c * kBlock <= last_key; ++c) {
     const BF16* keys = rearranged +
                        ((p.chunk_offset[prompt] + c) * p.kv_heads + kv_head) * kChunkElems;
     const BF16* vt = keys + kBlock * kDim;
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t d = 0; d < kDim / 32; ++d) {  // S^T[keys][queries] over 32 dims at a time
-      _tile_loadd(7, s.qt + d * 256, 64);
-      _tile_loadd(6, keys + d * 32, kDim * 2);
-      _tile_dpbf16ps(4, 6, 7);
-      _tile_loadd(6, keys + 16 * kDim + d * 32, kDim * 2);
-      _tile_dpbf16ps(5, 6, 7);
+#if defined(PAGEDLLM_AMX)
+    if constexpr (Amx) {
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int64_t d = 0; d < kDim / 32; ++d) {  // S^T[keys][queries] over 32 dims at a time
+        _tile_loadd(7, s.qt + d * 256, 64);
+        _tile_loadd(6, keys + d * 32, kDim * 2);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, keys + 16 * kDim + d * 32, kDim * 2);
+        _tile_dpbf16ps(5, 6, 7);
+      }
+      _tile_stored(4, s.scores, 64);
+      _tile_stored(5, s.scores + 16 * kQueries, 64);
     }
-    _tile_stored(4, s.scores, 64);
-    _tile_stored(5, s.scores + 16 * kQueries, 64);
+#endif
+    if constexpr (!Amx) scores_by_dots(keys, s);
     // Key k0 + j exists if below keys_len; causal, it is visible to query q0 + i when
     // offset + q0 + i >= k0 + j.
     const int64_t k0 = c * kBlock;
@@ -221,10 +283,14 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
       if (c > 0) {  // O and the sums so far, rescaled by e^(old - new)
         const __m512 alpha = pagedllm::exp16(_mm512_sub_ps(max, new_max));
         sum = _mm512_mul_ps(sum, alpha);
-        store_acc(s);
+#if defined(PAGEDLLM_AMX)
+        if constexpr (Amx) store_acc(s);
+#endif
         for (int64_t d = 0; d < kDim; ++d)
           _mm512_store_ps(s.acc + d * kQueries, _mm512_mul_ps(_mm512_load_ps(s.acc + d * kQueries), alpha));
-        load_acc(s);
+#if defined(PAGEDLLM_AMX)
+        if constexpr (Amx) load_acc(s);
+#endif
       }
       max = new_max;
     }
@@ -235,17 +301,24 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
       sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
       _mm512_store_si512(s.pt + (j / 2) * 16, pair_bf16(e0, e1));
     }
-    _tile_loadd(7, s.pt, 64);  // O^T[dims][queries] += V^T P^T, 16 dims per tile
-    _tile_loadd(6, vt, 64);
-    _tile_dpbf16ps(0, 6, 7);
-    _tile_loadd(6, vt + 16 * kBlock, 64);
-    _tile_dpbf16ps(1, 6, 7);
-    _tile_loadd(6, vt + 32 * kBlock, 64);
-    _tile_dpbf16ps(2, 6, 7);
-    _tile_loadd(6, vt + 48 * kBlock, 64);
-    _tile_dpbf16ps(3, 6, 7);
+#if defined(PAGEDLLM_AMX)
+    if constexpr (Amx) {
+      _tile_loadd(7, s.pt, 64);  // O^T[dims][queries] += V^T P^T, 16 dims per tile
+      _tile_loadd(6, vt, 64);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(6, vt + 16 * kBlock, 64);
+      _tile_dpbf16ps(1, 6, 7);
+      _tile_loadd(6, vt + 32 * kBlock, 64);
+      _tile_dpbf16ps(2, 6, 7);
+      _tile_loadd(6, vt + 48 * kBlock, 64);
+      _tile_dpbf16ps(3, 6, 7);
+    }
+#endif
+    if constexpr (!Amx) accumulate_by_dots(vt, s);
   }
-  store_acc(s);  // out[query][d] = O^T[d][query] / sum[query], 16 dims at a time
+#if defined(PAGEDLLM_AMX)
+  if constexpr (Amx) store_acc(s);  // out[query][d] = O^T[d][query] / sum[query], 16 dims at a time
+#endif
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
   BF16* out = p.out + p.q_starts[prompt] * p.out_stride_t + head * p.out_stride_h;
   if (p.lse) {  // log(sum e^(score - max)) + max
@@ -265,30 +338,66 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
   }
 }
 
-#endif  // PAGEDLLM_AMX
+#endif  // PAGEDLLM_BF16_DOT
+
+// Whether the kernels take AMX tiles: the CPU and kernel allow it, and tests have not
+// turned it off.
+bool use_amx() { return pagedllm::amx_available() && amx_allowed.load(); }
 
 }  // namespace
 
 namespace pagedllm {
 
+std::string prompt_attention_isa() {
+#if defined(PAGEDLLM_BF16_DOT)
+  return use_amx() ? "amx" : "avx512_bf16";
+#else
+  return "";
+#endif
+}
+
+void allow_amx_attention(bool allowed) { amx_allowed.store(allowed); }
+
 namespace {
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v) {
-  TORCH_CHECK(amx_available(), "the AMX prompt attention is not available here");
+  TORCH_CHECK(!prompt_attention_isa().empty(),
+              "the prompt attention kernel is not built here (it needs AVX512-BF16)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
               "q, out [T, H, D] and k, v [S, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "the AMX prompt attention takes bfloat16");
+              "the prompt attention kernel takes bfloat16");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
               "the head dimension must be contiguous");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
               "k and v must be alike, with q's head_dim, and divide q's heads");
-  TORCH_CHECK(q.size(2) == 64, "the AMX prompt attention takes head_dim 64");
+  TORCH_CHECK(q.size(2) == 64, "the prompt attention kernel takes head_dim 64");
 }
 
+#if defined(PAGEDLLM_BF16_DOT)
+struct Item { int64_t segment, head, block, chunks; };  // a work item: 16 queries of one head
+
+template <bool Amx>
+void attend_items(const Segments& p, const BF16* rearranged, const std::vector<Item>& items) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
 #if defined(PAGEDLLM_AMX)
+    if constexpr (Amx) pagedllm::configure_tiles();
+#endif
+    Scratch s;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) <
+                    static_cast<int64_t>(items.size());)
+      attend_block<Amx>(p, rearranged, items[i].segment, items[i].head, items[i].block, s);
+#if defined(PAGEDLLM_AMX)
+    if constexpr (Amx) _tile_release();
+#endif
+  });
+}
+
 void run(Segments& p, int64_t n) {
   p.chunk_offset.assign(n + 1, 0);
   for (int64_t i = 0; i < n; ++i)
@@ -313,7 +422,6 @@ void run(Segments& p, int64_t n) {
     }
   });
   // (segment, head, query block), the most key chunks first.
-  struct Item { int64_t segment, head, block, chunks; };
   std::vector<Item> items;
   for (int64_t i = 0; i < n; ++i)
     for (int64_t b = 0; b * kQueries < p.q_lens[i]; ++b) {
@@ -324,17 +432,10 @@ void run(Segments& p, int64_t n) {
     }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.chunks > b.chunks; });
-  std::atomic<int64_t> next{0};
-  const int64_t workers =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    configure_tiles();
-    Scratch s;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) <
-                    static_cast<int64_t>(items.size());)
-      attend_block(p, rearranged.get(), items[i].segment, items[i].head, items[i].block, s);
-    _tile_release();
-  });
+#if defined(PAGEDLLM_AMX)
+  if (use_amx()) return attend_items<true>(p, rearranged.get(), items);
+#endif
+  attend_items<false>(p, rearranged.get(), items);
 }
 
 Segments make_segments(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
@@ -346,7 +447,7 @@ Segments make_segments(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   p.scale = scale;
   return p;
 }
-#endif
+#endif  // PAGEDLLM_BF16_DOT
 
 }  // namespace
 
@@ -365,7 +466,7 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(ln[i] > 0 && st[i] >= 0 && st[i] + ln[i] <= tokens, "prompt ", i,
                 " lies outside q");
-#if defined(PAGEDLLM_AMX)
+#if defined(PAGEDLLM_BF16_DOT)
   Segments p = make_segments(out, q, k, v, static_cast<float>(scale), true);
   p.q_starts = p.k_starts = st;
   p.q_lens = p.k_lens = ln;
@@ -379,7 +480,7 @@ at::Tensor attention_over_keys(at::Tensor out, const at::Tensor& q, const at::Te
   TORCH_CHECK(q.size(0) > 0 && k.size(0) > 0, "no queries or no keys");
   TORCH_CHECK(!causal || q.size(0) <= k.size(0), "causal: the queries are the last of the keys' positions");
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-#if defined(PAGEDLLM_AMX)
+#if defined(PAGEDLLM_BF16_DOT)
   Segments p = make_segments(out, q, k, v, static_cast<float>(scale), causal);
   const int64_t zero = 0, queries = q.size(0), keys = k.size(0);
   p.q_starts = p.k_starts = &zero;

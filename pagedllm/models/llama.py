@@ -181,7 +181,7 @@ class DecoderModel(nn.Module):
         a plain Llama layer (no q/k norms, biases or tensor parallelism) on the CPU
         paged-attention backend, nothing hooks a layer, the weights are prepacked for
         oneDNN where more than SMALL_LINEAR_MAX_ROWS rows need them, and a cascade step (if
-        any) has one prefix shared by all rows and the AMX attention kernel; otherwise None.
+        any) has one prefix shared by all rows and pagedllm's attention kernel; otherwise None.
         Its per-model arguments are gathered once (_FusedStack, ~0.65 ms) and checked each
         step by identity (~12 us), so a hook added, a cache bound or a weight repacked since
         is seen."""
@@ -202,9 +202,9 @@ class DecoderModel(nn.Module):
         first = self.layers[0].self_attn
         plan = cpu_paged.decode_plan(ctx, x.shape[0], k_caches[0].shape[1])
         prefix_blocks, prefix_first = None, -1
-        if plan.prefixes:  # cascade: one prefix shared by every row, on the AMX kernel
+        if plan.prefixes:  # cascade: one prefix shared by every row, on the attention kernel
             if (len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None
-                    or not cpu_paged.amx_attention(torch.bfloat16, first.head_dim)):
+                    or not cpu_paged.attention_kernel(torch.bfloat16, first.head_dim)):
                 return None
             prefix = plan.prefixes[0]
             prefix_blocks = prefix.blocks

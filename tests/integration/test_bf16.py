@@ -182,7 +182,7 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
 
 def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_results(monkeypatch):
     """Rows sharing a cached 320-token prefix decode with cascade attention; the one-call
-    stack then runs the prefix part too (the same AMX kernel as cpu_paged's, merged by the
+    stack then runs the prefix part too (the same attention kernel as cpu_paged's, merged by the
     paged kernel): tokens and logprobs equal the per-op forward's, both when the prefix's
     blocks are adjacent (a view of the cache) and when they are taken as a copy. Each run
     has an engine of its own, so all prefill alike (prefix caching on)."""
@@ -190,8 +190,8 @@ def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_res
     from pagedllm.attention import cpu_paged
     from pagedllm.models import llama
     assert cpu_ops.load() is not None, cpu_ops.load_error
-    if not cpu_paged.amx_attention(torch.bfloat16, 64):
-        pytest.skip("cascade steps take the one-call stack only with the AMX attention kernel")
+    if not cpu_paged.attention_kernel(torch.bfloat16, 64):
+        pytest.skip("cascade steps take the one-call stack only with the attention kernel (AVX512-BF16)")
     prefix = [2000 + (7 * j) % 5000 for j in range(320)]
     prompts = [prefix + [100 + 11 * i + j for j in range(5 + 3 * i)] for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

@@ -1,5 +1,6 @@
-"""The AMX prompt-attention kernel (csrc/prompt_attention.cpp) against causal attention in
-float64, with torch's own flash attention on the same bf16 inputs as the yardstick.
+"""The prompt-attention kernel (csrc/prompt_attention.cpp), on AMX tiles and on AVX512-BF16
+dot products, against causal attention in float64, with torch's own flash attention on the
+same bf16 inputs as the yardstick.
 
 Prompts of ragged lengths around the kernel's 16-query and 32-key blocks, packed in one
 call between tokens that are not theirs (q/k/v views into a fused qkv, as in the model);
@@ -20,20 +21,28 @@ ext = cpu_ops.load()
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
 
-def cpu_has_amx() -> bool:
+def cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    return "amx_bf16" in flags and "amx_tile" in flags and "avx512_bf16" in flags
+        return set(next((line for line in f if line.startswith("flags")), "").split())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernel_available():
-    """Where the CPU has AMX the kernel must be there (build and permission): fail, never
-    skip. Only a CPU without AMX skips, and says so."""
+@pytest.fixture(scope="module", autouse=True, params=["amx", "avx512_bf16"])
+def isa(request):
+    """Every test runs on each path the CPU has: AMX tiles, and AVX512-BF16 dot products
+    (on an AMX CPU with AMX turned off for the module). Where the CPU has the instructions
+    the kernel must be there: fail, never skip. Only a CPU without them skips, and says so."""
     assert ext is not None, cpu_ops.load_error
-    if not cpu_has_amx():
-        pytest.skip("this CPU has no AMX-BF16: prompts take torch's flash attention")
-    assert ext.amx_available()
+    flags = cpu_flags()
+    if request.param == "amx" and not {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
+        pytest.skip("this CPU has no AMX-BF16: the kernel's AMX path is not run here")
+    if "avx512_bf16" not in flags:
+        pytest.skip("this CPU has no AVX512-BF16: prompts take torch's flash attention")
+    ext.allow_amx_attention(request.param == "amx")
+    try:
+        assert ext.prompt_attention_isa() == request.param
+        yield request.param
+    finally:
+        ext.allow_amx_attention(True)
 
 
 def packed(lens: list[int], seed: int, gap: int = 3, scale_growth: float = 0.0):
@@ -161,9 +170,9 @@ def test_a_chunk_over_its_cached_prefix_is_causal_from_its_offset(num_queries, n
 
 
 def test_the_engine_takes_it_for_bf16_head_dim_64_only():
-    assert cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 64, dtype=torch.bfloat16))
-    assert not cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 64))
-    assert not cpu_paged.amx_prompt_attention(torch.zeros(1, HEADS, 128, dtype=torch.bfloat16))
+    assert cpu_paged.prompt_kernel(torch.zeros(1, HEADS, 64, dtype=torch.bfloat16))
+    assert not cpu_paged.prompt_kernel(torch.zeros(1, HEADS, 64))
+    assert not cpu_paged.prompt_kernel(torch.zeros(1, HEADS, 128, dtype=torch.bfloat16))
 
 
 def test_bad_arguments_are_refused():
