@@ -1,4 +1,6 @@
-// What the AMX kernels share: the build check, the process's permission, the tile layout.
+// What the AMX kernels share: the build check, the process's permission, the tile layout;
+// and what the attention kernels' AVX512-BF16 path shares with them (PAGEDLLM_BF16_DOT,
+// transpose16x16).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)

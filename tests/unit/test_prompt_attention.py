@@ -14,16 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cpu_features import cpu_flags, cpu_has_amx_bf16  # tests/ (pytest prepends the rootdir)
 from pagedllm import cpu_ops
 from pagedllm.attention import cpu_paged
 
 ext = cpu_ops.load()
 HEADS, KV_HEADS, DIM = 9, 3, 64
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return set(next((line for line in f if line.startswith("flags")), "").split())
 
 
 @pytest.fixture(scope="module", autouse=True, params=["amx", "avx512_bf16"])
@@ -32,10 +28,9 @@ def isa(request):
     (on an AMX CPU with AMX turned off for the module). Where the CPU has the instructions
     the kernel must be there: fail, never skip. Only a CPU without them skips, and says so."""
     assert ext is not None, cpu_ops.load_error
-    flags = cpu_flags()
-    if request.param == "amx" and not {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
+    if request.param == "amx" and not cpu_has_amx_bf16():
         pytest.skip("this CPU has no AMX-BF16: the kernel's AMX path is not run here")
-    if "avx512_bf16" not in flags:
+    if "avx512_bf16" not in cpu_flags():
         pytest.skip("this CPU has no AVX512-BF16: prompts take torch's flash attention")
     ext.allow_amx_attention(request.param == "amx")
     try:
