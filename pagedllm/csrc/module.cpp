@@ -8,6 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("k_lens"),
         py::arg("scale"), py::arg("prefix_out") = py::none(), py::arg("prefix_lse") = py::none());
+  m.def("paged_attention_scores", &pagedllm::paged_attention_scores,
+        "how paged_attention scores bf16 keys here: 'avx512_bf16', 'avx512' or 'scalar'");
+  m.def("allow_dot_scores", &pagedllm::allow_dot_scores,
+        "tests: False makes paged_attention widen bf16 keys even where dot products run");
   m.def("prompt_attention", &pagedllm::prompt_attention,
         "out[prompts' tokens] = causal attention of each prompt over its own tokens (bf16; "
         "AMX or AVX512-BF16)",

@@ -12,6 +12,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
                      double scale, const c10::optional<at::Tensor>& prefix_out,
                      const c10::optional<at::Tensor>& prefix_lse);
+// How paged_attention scores bf16 keys here: "avx512_bf16" (dot products), "avx512"
+// (widened to fp32) or "scalar".
+std::string paged_attention_scores();
+// Tests: false makes bf16 keys take the widening path even where dot products run.
+void allow_dot_scores(bool allowed);
 // out[prompts' tokens] = causal attention of each prompt (q/k/v[starts[i]:][:lens[i]]) over
 // its own tokens, bf16, on AMX tiles (prompt_attention.cpp) where amx_available() (amx.h),
 // else on AVX512-BF16 dot products; only where prompt_attention_isa() is not empty.

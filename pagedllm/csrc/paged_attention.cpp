@@ -6,6 +6,7 @@
 // already be stored in the cache. Work is split into (row, chunk of query tokens) items, for
 // one kv head each or, when there are enough items for every thread, for all of them; the
 // query heads sharing a KV head (GQA) read each cached block once.
+#include "amx.h"
 #include "ops.h"
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -331,6 +332,48 @@ void score_block_bf16(const float* q_eo, float* scores, int64_t stride, const BF
   }
 }
 
+#if defined(PAGEDLLM_BF16_DOT)
+// Scores by AVX512-BF16 dot products where the CPU has them: one instruction multiplies 32
+// bf16 of a key by the same 32 of a query and adds each pair of products into one of 16
+// fp32 lanes, so keys are not widened and the queries (bf16, unscaled) stay in registers.
+// Measured on the 2-core Zen 5, 30 layers of 64 decode rows over 380 tokens: 14% faster
+// in cache and from memory. Products and sums are fp32 as in the widening path; only the
+// order of the additions differs. (The same for the values, with the probabilities
+// rounded to bf16, was faster in cache but not from memory: they keep fp32.)
+std::atomic<bool> dot_scores_allowed{true};
+
+// Scores of NR query rows (q: per row NV * 16 bf16), 8 keys at a time as score_block_bf16.
+template <int NV, int NR>
+void score_block_dot(const BF16* q, float scale, float* scores, int64_t stride, const BF16* base,
+                     const BF16* ahead, int64_t n, const Shapes& s) {
+  constexpr int NP = NV / 2;  // registers of 32 bf16 per head vector
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512bh qv[NR][NP];
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) qv[r][p] = (__m512bh)_mm512_loadu_si512(q + r * NV * 16 + 32 * p);
+  for (int64_t o = 0; o < n; o += 8) {
+    const int64_t m = std::min<int64_t>(8, n - o);
+    __m512bh kv[8][NP];
+    for (int i = 0; i < 8; ++i) {
+      const BF16* key = base + (o + (i < m ? i : 0)) * s.c_stride_s;
+      if (ahead != nullptr && i < m) prefetch_vector(ahead + (o + i) * s.c_stride_s, NV * 32);
+      for (int p = 0; p < NP; ++p) kv[i][p] = (__m512bh)_mm512_loadu_si512(key + 32 * p);
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+    for (int r = 0; r < NR; ++r) {
+      __m512 acc[8];
+      for (int i = 0; i < 8; ++i) {
+        acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), kv[i][0], qv[r][0]);
+        for (int p = 1; p < NP; ++p) acc[i] = _mm512_dpbf16_ps(acc[i], kv[i][p], qv[r][p]);
+      }
+      _mm512_mask_storeu_ps(scores + r * stride + o, mask,
+                            _mm512_mul_ps(_mm512_permutexvar_ps(order, sum8(acc)), sc));
+    }
+  }
+}
+#endif  // PAGEDLLM_BF16_DOT
+
 // acc[r] += sum_o p[r][o] v_o for NR rows, kept as even and odd elements: each 32 of a
 // row's NV * 16 floats holds the even elements, then the odd ones (interleave_even_odd
 // puts them back in order).
@@ -387,6 +430,11 @@ template <typename T, int NV, int NR> struct Score {
     else score_block<T, NV, NR>(a...);
   }
 };
+#if defined(PAGEDLLM_BF16_DOT)
+template <typename T, int NV, int NR> struct ScoreDot {
+  template <typename... A> static void run(A... a) { score_block_dot<NV, NR>(a...); }
+};
+#endif
 template <typename T, int NV, int NR> struct Weigh {
   template <typename... A> static void run(A... a) {
     if constexpr (std::is_same_v<T, BF16>) weigh_block_bf16<NV, NR>(a...);
@@ -415,18 +463,31 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
   auto head_of = [&](int64_t r) { return (h_begin + r / per_head) * group + r % group; };
   auto keys_of = [&](int64_t r) { return first_unmasked + token_of(r) + 1; };
   // scores [rows, num_keys], then qf [rows, d] (scaled fp32 queries, then outputs),
-  // row_max and row_sum [rows]; for bf16 the queries split in even and odd elements too.
+  // row_max and row_sum [rows]; for bf16 the queries split in even and odd elements too
+  // (or, for dot products, the bf16 queries in the same place).
   buf.resize(rows * (num_keys + d + 2) + (kBf16 ? rows * d : 0));
   float* scores = buf.data();
   float* qf = scores + rows * num_keys;
   float* row_max = qf + rows * d;
   float* row_sum = row_max + rows;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = in.q + (first_token + token_of(r)) * s.q_stride_t + head_of(r) * s.q_stride_h;
-    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * in.scale;
-  }
-  const float* q_score = qf;  // the queries as the score kernel takes them
+  auto q_row = [&](int64_t r) {
+    return in.q + (first_token + token_of(r)) * s.q_stride_t + head_of(r) * s.q_stride_h;
+  };
+  [[maybe_unused]] BF16* q_dot = nullptr;  // the bf16 queries, where dot products score
+#if defined(PAGEDLLM_BF16_DOT)
   if constexpr (kBf16) {
+    if (dot_scores_allowed.load(std::memory_order_relaxed)) {
+      q_dot = reinterpret_cast<BF16*>(row_sum + rows);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(q_dot + r * d, q_row(r), d * sizeof(BF16));
+    }
+  }
+#endif
+  const float* q_score = qf;  // the queries as the widening score kernels take them
+  if (q_dot == nullptr) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(q_row(r)[i]) * in.scale;
+  }
+  if (kBf16 && q_dot == nullptr) {
     float* q_eo = row_sum + rows;  // each 32 of qf: its even elements, then its odd ones
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -454,6 +515,16 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
                  [&](int64_t j, int64_t n, const T* base, const T* ahead) {
                    for_each_row_block(j, n, base, ahead,
                                       [&](int64_t r0, int64_t nr, int64_t m, const T* kb, const T* ka) {
+#if defined(PAGEDLLM_BF16_DOT)
+                                        if constexpr (kBf16) {
+                                          if (q_dot != nullptr) {
+                                            by_rows<T, NV, ScoreDot>(nr, static_cast<const BF16*>(q_dot + r0 * d),
+                                                                     in.scale, scores + r0 * num_keys + j,
+                                                                     num_keys, kb, ka, m, s);
+                                            return;
+                                          }
+                                        }
+#endif
                                         by_rows<T, NV, Score>(nr, q_score + r0 * d,
                                                               scores + r0 * num_keys + j, num_keys,
                                                               kb, ka, m, s);
@@ -544,6 +615,25 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
 }  // namespace
 
 namespace pagedllm {
+
+std::string paged_attention_scores() {
+#if defined(PAGEDLLM_BF16_DOT)
+  if (dot_scores_allowed.load()) return "avx512_bf16";
+#endif
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "scalar";
+#endif
+}
+
+void allow_dot_scores(bool allowed) {
+#if defined(PAGEDLLM_BF16_DOT)
+  dot_scores_allowed.store(allowed);
+#else
+  (void)allowed;
+#endif
+}
 
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,

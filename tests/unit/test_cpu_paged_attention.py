@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from cpu_features import cpu_flags
 from pagedllm import cpu_ops
 from pagedllm.attention import cpu_paged, torch_native
 from pagedllm.attention.context import Context
@@ -19,6 +20,23 @@ from pagedllm.attention.context import Context
 def kernel_builds():
     """The kernel must build here (gcc + ninja are part of the setup): fail, never skip."""
     assert cpu_ops.is_available(), cpu_ops.load_error
+
+
+@pytest.fixture(scope="module", autouse=True, params=["avx512_bf16", "avx512"])
+def bf16_scores(request, kernel_builds):
+    """Every test runs on each way the CPU can score bf16 keys: AVX512-BF16 dot products,
+    and keys widened to fp32 (on a CPU with dot products, turned off for the module). Only
+    a CPU without the instructions skips, and says so."""
+    needs = {"avx512_bf16": {"avx512_bf16", "avx512bw"}, "avx512": {"avx512f", "avx512bw"}}
+    if not needs[request.param] <= cpu_flags():
+        pytest.skip(f"this CPU has no {request.param}: that path of the kernel is not run here")
+    ext = cpu_ops.load()
+    ext.allow_dot_scores(request.param == "avx512_bf16")
+    try:
+        assert ext.paged_attention_scores() == request.param
+        yield request.param
+    finally:
+        ext.allow_dot_scores(True)
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
