@@ -530,6 +530,15 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
                                                               kb, ka, m, s);
                                       });
                  });
+  {
+    // The value pass's first block (no block before it prefetches it), requested while the
+    // softmax computes: 3-10% faster from memory in one-process A/B runs on the Zen 5.
+    const T* first = in.v_cache + table[0] * s.c_stride_b;
+    const int64_t n0 = std::min(s.block_size, num_keys);
+    for (int64_t o = 0; o < n0; ++o)
+      for (int64_t h = h_begin; h < h_end; ++h)
+        prefetch_vector(first + o * s.c_stride_s + h * s.c_stride_h, d * static_cast<int64_t>(sizeof(T)));
+  }
   for (int64_t r = 0; r < rows; ++r)
     row_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys, row_max + r);
   float* acc = qf;  // the queries are no longer needed
