@@ -12,13 +12,16 @@ from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
 
-# Up to this many rows, bf16 linears on CPUs with AVX512-BF16 take pagedllm's own
-# weight-streaming kernel (csrc/small_linear.cpp): 4-5x torch's speed at one row (a
-# single-stream decode step), on par at 4; beyond that torch's (AMX) matmul is faster.
-SMALL_LINEAR_MAX_ROWS = 4
-# Beyond that and up to this many rows, on CPUs with AMX: pagedllm's AMX kernel on the plain
-# weight (csrc/amx_linear.cpp), where oneDNN streams the weights at 13-16 GB/s. Over
-# SmolLM2's layers: 9.8 vs 13.4 ms at 16 rows, 13 vs 15 at 32; oneDNN is faster from ~48.
+# Up to this many rows, bf16 linears on CPUs with AVX512-BF16 but no AMX take pagedllm's
+# own weight-streaming kernel (csrc/small_linear.cpp), where oneDNN streams the weights
+# slowly. Over SmolLM2's 30 layers on the 2-core Zen 5: 7.9 vs 11.3 ms at 4 rows, 10.6 vs
+# 15.9 at 8, 17.3 vs 18.7 at 16; on par at 24.
+SMALL_LINEAR_MAX_ROWS = 16
+# With AMX, up to this many rows (4-5x torch's speed at one row, on par at 4)...
+SMALL_LINEAR_MAX_ROWS_AMX = 4
+# ...and beyond that up to this many: pagedllm's AMX kernel on the plain weight
+# (csrc/amx_linear.cpp), where oneDNN streams the weights at 13-16 GB/s. Over SmolLM2's
+# layers: 9.8 vs 13.4 ms at 16 rows, 13 vs 15 at 32; oneDNN is faster from ~48.
 AMX_LINEAR_MAX_ROWS = 32
 _kernels: dict[str, object] = {}  # name -> the kernel once looked up, or False where none
 
@@ -42,6 +45,12 @@ def amx_linear_rows() -> int:
     return AMX_LINEAR_MAX_ROWS if _kernel("amx_linear_bf16", "amx_available") else 0
 
 
+def small_linear_rows() -> int:
+    """Up to how many rows bf16 linears take the weight-streaming kernel (where there is
+    one: see _small_linear_kernel)."""
+    return SMALL_LINEAR_MAX_ROWS_AMX if amx_linear_rows() else SMALL_LINEAR_MAX_ROWS
+
+
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight reordered once into oneDNN's blocked (AMX / AVX512-BF16) layout, for bf16
     on CPU; None elsewhere. torch's bf16 matmul reorders the weight on every call: with the
@@ -57,14 +66,14 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CPU in bf16 few rows take the weight-streaming kernel, up to
-    AMX_LINEAR_MAX_ROWS the AMX kernel where there is one, and more rows the prepacked
-    weight (prepack_weight), when given."""
+    """F.linear; on CPU in bf16 few rows (small_linear_rows) take the weight-streaming
+    kernel, up to AMX_LINEAR_MAX_ROWS the AMX kernel where there is one, and more rows the
+    prepacked weight (prepack_weight), when given."""
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
         rows = x.shape[0]
         if weight.dtype == torch.bfloat16 and weight.is_contiguous():
             kernel = None
-            if rows <= SMALL_LINEAR_MAX_ROWS:
+            if rows <= small_linear_rows():
                 kernel = _small_linear_kernel()
             elif (rows <= amx_linear_rows() and x.shape[1] % 32 == 0
                   and weight.shape[0] % 32 == 0):

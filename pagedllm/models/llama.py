@@ -18,9 +18,10 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import (SMALL_LINEAR_MAX_ROWS, LinearBase,
+from pagedllm.layers.linear import (LinearBase,
                                     MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear, amx_linear_rows)
+                                    RowParallelLinear, amx_linear_rows,
+                                    small_linear_rows)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 
@@ -138,7 +139,7 @@ class _FusedStack:
             if any(not m.weight.is_contiguous() or (m.packed_weight is None and not few)
                    for m in layer_linears):
                 return None
-            # each linear's weight, and the one oneDNN takes beyond SMALL_LINEAR_MAX_ROWS rows
+            # each linear's weight, and the one oneDNN takes beyond small_linear_rows() rows
             qkv, o, gate_up, down = ((m.weight, m.weight if few else m.packed_weight)
                                      for m in layer_linears)
             weights += [layer.input_layernorm.weight, *qkv, *o,
@@ -180,7 +181,7 @@ class DecoderModel(nn.Module):
         in the same order as the loop in forward, so the same results), when every layer is
         a plain Llama layer (no q/k norms, biases or tensor parallelism) on the CPU
         paged-attention backend, nothing hooks a layer, the weights are prepacked for
-        oneDNN where more than SMALL_LINEAR_MAX_ROWS rows need them, and a cascade step (if
+        oneDNN where more than small_linear_rows() rows need them, and a cascade step (if
         any) has one prefix shared by all rows and pagedllm's attention kernel; otherwise None.
         Its per-model arguments are gathered once (_FusedStack, ~0.65 ms) and checked each
         step by identity (~12 us), so a hook added, a cache bound or a weight repacked since
@@ -191,7 +192,7 @@ class DecoderModel(nn.Module):
                 or not ext.has_small_linear_bf16() or torch.nn.modules.module._global_forward_hooks
                 or torch.nn.modules.module._global_forward_pre_hooks):
             return None
-        few = x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+        few = x.shape[0] <= small_linear_rows()
         stack = self._fused_stacks.get(few)
         if stack is None or not stack.current():
             stack = _FusedStack.gather(self, few)
@@ -214,7 +215,7 @@ class DecoderModel(nn.Module):
         return ext.decode_layers(x, positions, weights, k_caches, v_caches, rotary.cos_cache,
                                  rotary.sin_cache, ctx.slot_mapping, plan.tables, plan.q_starts,
                                  plan.q_lens, plan.k_lens, first.num_heads, first.num_kv_heads,
-                                 self.norm.eps, first.attn.scale, SMALL_LINEAR_MAX_ROWS,
+                                 self.norm.eps, first.attn.scale, small_linear_rows(),
                                  amx_linear_rows(), prefix_blocks, prefix_first)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.layers.linear import small_linear_rows
 
 NEW_TOKENS = 24
 PROMPTS = [
@@ -105,7 +106,7 @@ def test_bf16_greedy_close_to_hf_bf16(llm, hf_bf16):
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkeypatch):
     """bf16 decode steps run the whole layer stack as one C++ call
     (DecoderModel._fused_decode): the same kernels in the same order (the weight-streaming
-    linear up to SMALL_LINEAR_MAX_ROWS rows, oneDNN's beyond), so the same tokens and
+    linear up to small_linear_rows() rows, oneDNN's beyond), so the same tokens and
     logprobs as the per-op forward, bit for bit. (Prefix caching is off: a cached prompt
     takes another bf16 rounding path in prefill, on either side.)"""
     from pagedllm import cpu_ops
@@ -115,8 +116,9 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkey
     assert cpu_ops.load() is not None, cpu_ops.load_error  # a build failure fails the test
     llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
               enable_prefix_caching=False)
-    prompts = [[1000 + 37 * i + j for j in range(length)]
-               for i, length in enumerate([15, 16, 17, 40, 3, 33, 64])]  # around block boundaries
+    small = small_linear_rows()
+    lengths = [15, 16, 17, 40, 3, 33, 64] * 3  # around block boundaries
+    prompts = [[1000 + 37 * i + j for j in range(length)] for i, length in enumerate(lengths)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
     fused_calls = 0
     fused = llama.DecoderModel._fused_decode
@@ -127,7 +129,7 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkey
         fused_calls += out is not None
         return out
 
-    for rows in (1, 4, 7):
+    for rows in (1, small, small + 1):  # each kernel of the linears
         monkeypatch.setattr(llama.DecoderModel, "_fused_decode", counting)
         fused_calls = 0
         ours = llm.generate(prompts[:rows], params, use_tqdm=False)

@@ -15,7 +15,7 @@ if ext is None or not ext.has_small_linear_bf16():
     pytest.skip("no AVX512-BF16 on this CPU: the engine uses F.linear", allow_module_level=True)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
 @pytest.mark.parametrize("n,k", [(576, 576), (7, 33), (130, 1536), (3, 64), (49, 31)])
 def test_matches_float64_like_torch(m, n, k):
     check_against_float64(ext.small_linear_bf16, m, n, k)
@@ -41,8 +41,9 @@ def test_rows_of_a_strided_input():
 
 
 def test_linear_layers_route_bf16_rows_by_count(monkeypatch):
-    """1-4 rows: the weight-streaming kernel; 5-32 (K and N multiples of 32, on a CPU with
-    AMX): the AMX kernel; more (or without AMX, 5 and more): oneDNN / torch."""
+    """Up to small_linear_rows() rows (16, or 4 on a CPU with AMX): the weight-streaming
+    kernel; then up to 32 (K and N multiples of 32, with AMX): the AMX kernel; more:
+    oneDNN / torch."""
     calls = []
     # without AMX the AMX kernel stays unavailable: no wrapper may make it look there
     names = ("small_linear_bf16",) + (("amx_linear_bf16",) if ext.amx_available() else ())
@@ -52,12 +53,13 @@ def test_linear_layers_route_bf16_rows_by_count(monkeypatch):
                             lambda x, w, kernel=kernel, name=name: calls.append((name, len(x)))
                             or kernel(x, w))
     w, b = torch.randn(64, 128).bfloat16(), torch.randn(64).bfloat16()
-    small, amx = linear_mod.SMALL_LINEAR_MAX_ROWS, linear_mod.amx_linear_rows()
+    small, amx = linear_mod.small_linear_rows(), linear_mod.amx_linear_rows()
+    assert small == (linear_mod.SMALL_LINEAR_MAX_ROWS_AMX if amx else linear_mod.SMALL_LINEAR_MAX_ROWS)
     for rows in (1, small, small + 1) + ((amx, amx + 1) if amx else ()):
         x = torch.randn(rows, 128).bfloat16()
         torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=5e-2)
     linear_mod.linear(torch.randn(2, 128), w.float())  # fp32 stays with torch
-    linear_mod.linear(torch.randn(8, 80).bfloat16(), torch.randn(64, 80).bfloat16())  # K % 32
+    linear_mod.linear(torch.randn(small + 1, 80).bfloat16(), torch.randn(64, 80).bfloat16())  # K % 32
     expected = [("small_linear_bf16", 1), ("small_linear_bf16", small)]
     if ext.amx_available():
         expected += [("amx_linear_bf16", small + 1), ("amx_linear_bf16", amx)]
