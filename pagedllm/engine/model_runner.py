@@ -451,12 +451,25 @@ class ModelRunner:
         if (self.graphs is not None and not ctx.is_prefill
                 and input_ids.numel() <= self.graphs.max_batch_size):
             hidden = self.graphs.run(input_ids, positions, ctx)
+        elif self._keeps_rows(logit_rows, input_ids.numel()):
+            # only the sampled tokens' hidden states (the model skips the others' last layer)
+            hidden = self.model(input_ids, positions, keep_rows=logit_rows.to(input_ids.device))
+            return self.model.compute_logits(hidden)  # type: ignore[attr-defined]
         else:
             hidden = self.model(input_ids, positions)
         if not logit_rows.numel():
             return None
         hidden = hidden[logit_rows.to(hidden.device)]
         return self.model.compute_logits(hidden)  # type: ignore[attr-defined]
+
+    def _keeps_rows(self, logit_rows: torch.Tensor, num_tokens: int) -> bool:
+        """Whether the forward computes only the logit rows' last layer: where the model can
+        (computes_kept_rows), the rows are fewer than the tokens (prompts) and the dtype is
+        not fp32, whose greedy outputs stay those of HF transformers bit for bit (its last
+        layer's matmuls run over every prompt token: fewer rows can take another kernel, and
+        round differently; bf16 and fp16 are held to closeness)."""
+        return (0 < logit_rows.numel() < num_tokens and self.dtype != torch.float32
+                and getattr(self.model, "computes_kept_rows", False))
 
     def _to_device(self, input_ids: torch.Tensor, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:

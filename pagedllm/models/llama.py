@@ -49,7 +49,10 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output for every token of x, or for the rows keep_rows
+        indexes (every token's k and v are still computed and cached)."""
         qkv = self.qkv_proj.forward(x)
         if self.q_norm is None:  # q and k heads are adjacent in qkv: rotate them in one go
             qk, v = qkv.split_with_sizes([self.q_size + self.kv_size, self.kv_size], -1)
@@ -57,7 +60,7 @@ class DecoderAttention(nn.Module):
                                                            self.head_dim))
             q, k = qk.split_with_sizes([self.num_heads, self.num_kv_heads], 1)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            return self.o_proj.forward(self.attn.forward(q, k, v))
+            return self._project(self.attn.forward(q, k, v), keep_rows)
         q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -65,7 +68,12 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj.forward(self.attn.forward(q, k, v))
+        return self._project(self.attn.forward(q, k, v), keep_rows)
+
+    def _project(self, out: torch.Tensor, keep_rows: torch.Tensor | None) -> torch.Tensor:
+        if keep_rows is not None:
+            out = out.index_select(0, keep_rows)
+        return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
@@ -88,13 +96,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over every token of x, or, past the attention, only over the rows
+        keep_rows indexes (the outputs are those rows', in keep_rows' order)."""
         if residual is None:
             x, residual = self.input_layernorm.forward(x), x
         else:
             x, residual = self.input_layernorm.forward(x, residual)
-        x = self.self_attn.forward(positions, x)
+        x = self.self_attn.forward(positions, x, keep_rows)
+        if keep_rows is not None:
+            residual = residual.index_select(0, keep_rows)
         x, residual = self.post_attention_layernorm.forward(x, residual)
         return self.mlp.forward(x), residual
 
@@ -165,14 +177,20 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._fused_stacks: dict[bool, _FusedStack] = {}  # few rows or not -> its arguments
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of every token, or of the rows keep_rows indexes: then the
+        last layer runs its attention output, MLP and the final norm on those rows only
+        (every token's k and v are still cached), as llama.cpp does for the tokens whose
+        logits are not needed."""
         x, residual = self.embed_tokens.forward(input_ids), None
-        if x.is_cpu and x.dtype == torch.bfloat16:
+        if x.is_cpu and x.dtype == torch.bfloat16 and keep_rows is None:
             fused = self._fused_decode(x, positions)
             if fused is not None:
                 return fused
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)  # a call: fault injection hooks layers
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):  # a call: fault injection hooks layers
+            x, residual = layer(positions, x, residual, keep_rows if i == last else None)
         x, _ = self.norm.forward(x, residual)
         return x
 
@@ -238,9 +256,13 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states of every input token."""
-        return self.model(input_ids, positions)
+    # forward() takes keep_rows (see DecoderModel.forward)
+    computes_kept_rows = True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of every input token, or of the rows keep_rows indexes."""
+        return self.model(input_ids, positions, keep_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

@@ -230,3 +230,68 @@ def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_res
         for a, b in zip(results[mode], results["per_op"]):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, mode
             assert a.outputs[0].logprobs == b.outputs[0].logprobs, mode
+
+
+def _prefill_hidden(llm: LLM, prompts: list[list[int]], keep_rows: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """The model's final hidden states for one prefill of the prompts (no KV cache bound:
+    attention over each prompt itself): every token's, or the rows keep_rows indexes."""
+    from pagedllm.attention.context import reset_context, set_context
+    runner = llm.engine.model_runner
+    caches = [(m, m.k_cache, m.v_cache) for m in runner.model.modules() if hasattr(m, "k_cache")]
+    lens = [len(p) for p in prompts]
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    try:
+        for m, _, _ in caches:
+            m.k_cache = m.v_cache = torch.tensor([])
+        set_context(is_prefill=True, seqlens_q=lens, seqlens_k=lens)
+        with torch.inference_mode():
+            return runner.model(ids, positions, keep_rows)
+    finally:
+        reset_context()
+        for m, k, v in caches:
+            m.k_cache, m.v_cache = k, v
+
+
+def test_kept_rows_are_those_of_the_whole_forward(llm):
+    """DecoderModel.forward(keep_rows=...) runs the last layer past its attention on the
+    kept rows only: its outputs are the whole forward's rows, in keep_rows' order
+    (repeats included), up to bf16 rounding (a different kernel may take fewer rows)."""
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    rows = torch.stack([ends[2], ends[0], ends[2], torch.tensor(3)])
+    whole = _prefill_hidden(llm, prompts, None)
+    kept = _prefill_hidden(llm, prompts, rows)
+    assert kept.shape == (len(rows), whole.shape[1])
+    # a wrong or misordered row is off by the states' own size; rounding by far less
+    assert (kept.float() - whole[rows].float()).abs().max() <= 0.02 * whole.float().abs().max()
+    model = llm.engine.model_runner.model
+    assert torch.equal(model.compute_logits(kept).argmax(-1),
+                       model.compute_logits(whole[rows]).argmax(-1))
+
+
+def test_prompt_steps_run_the_last_layer_on_the_sampled_rows_only(llm, monkeypatch):
+    """A step with prompts (bf16) samples one token per prompt: its last layer's MLP sees
+    those rows only, the first layer's every token (whose k and v every layer caches)."""
+    first, last = llm.engine.model_runner.model.model.layers[0], \
+        llm.engine.model_runner.model.model.layers[-1]
+    seen: dict[str, list[int]] = {"first": [], "last": []}
+    for name, layer in (("first", first), ("last", last)):
+        forward = layer.mlp.forward
+        monkeypatch.setattr(layer.mlp, "forward",
+                            lambda x, forward=forward, name=name: seen[name].append(x.shape[0])
+                            or forward(x))
+    lengths = [40, 70, 100]
+    prompts = [[1000 + 13 * i + j for j in range(n)] for i, n in enumerate(lengths)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1, 1]
+    assert seen == {"first": [sum(lengths)], "last": [len(lengths)]}
+    runner = llm.engine.model_runner
+    assert runner._keeps_rows(torch.tensor([5, 9]), 10)
+    assert not runner._keeps_rows(torch.arange(10), 10)  # decode: every row is sampled
+    assert not runner._keeps_rows(torch.tensor([], dtype=torch.int64), 10)
+    monkeypatch.setattr(runner, "dtype", torch.float32)  # fp32 keeps HF's kernels' rounding
+    assert not runner._keeps_rows(torch.tensor([5, 9]), 10)
