@@ -64,22 +64,7 @@ def _our_top5(llm: LLM, ids: list[int]) -> list[int]:
 
 
 def _our_last_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
-    from pagedllm.attention.context import reset_context, set_context
-    n = len(ids)
-    # No KV cache bound in the layers for this call: attention over the prompt itself.
-    runner = llm.engine.model_runner
-    caches = [(m, m.k_cache, m.v_cache) for m in runner.model.modules() if hasattr(m, "k_cache")]
-    try:
-        for m, _, _ in caches:
-            m.k_cache = m.v_cache = torch.tensor([])
-        set_context(is_prefill=True, seqlens_q=[n], seqlens_k=[n])
-        with torch.inference_mode():
-            hidden = runner.model(torch.tensor(ids), torch.arange(n))
-        return hidden[-1:]
-    finally:
-        reset_context()
-        for m, k, v in caches:
-            m.k_cache, m.v_cache = k, v
+    return _prefill_hidden(llm, [ids], None)[-1:]
 
 
 def test_bf16_greedy_close_to_hf_bf16(llm, hf_bf16):
