@@ -1,10 +1,11 @@
 // A decode step's whole stack of decoder layers, in one call.
 //
 // It runs the kernels the model's Python forward runs (models/llama.py with the CPU ops:
-// rms_norm, small_linear_bf16, amx_linear_bf16 or oneDNN's matmul on the prepacked weight, rotary_embedding,
-// store_kv, paged_attention, silu_and_mul), in the same order on the same tensors, so its
-// results are the same bit for bit. What it saves is the Python and torch dispatch around
-// ~12 ops a layer: about 1 ms a step (measured at one row: 14.6 -> 13.75 ms).
+// rms_norm, packed_linear_bf16, small_linear_bf16, amx_linear_bf16 or oneDNN's matmul on the
+// prepacked weight, rotary_embedding, store_kv, paged_attention, silu_and_mul), in the same
+// order on the same tensors, so its results are the same bit for bit. What it saves is the
+// Python and torch dispatch around ~12 ops a layer: about 1 ms a step (measured at one row:
+// 14.6 -> 13.75 ms).
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -12,10 +13,12 @@
 namespace pagedllm {
 namespace {
 
-// x w^T: the weight-streaming kernel for up to small_rows rows, the AMX one up to amx_rows,
-// oneDNN's matmul on the prepacked weight beyond (as layers/linear.py chooses).
+// x w^T: pagedllm's packed linear where the weight is packed for it; else the
+// weight-streaming kernel for up to small_rows rows, the AMX one up to amx_rows, oneDNN's
+// matmul on the prepacked weight beyond (as layers/linear.py chooses).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
                   int64_t small_rows, int64_t amx_rows) {
+  if (packed.dim() == 4) return packed_linear_bf16(x, packed);
   if (x.size(0) <= small_rows) return small_linear_bf16(x, w);
   if (x.size(0) <= amx_rows && x.size(1) % 32 == 0 && w.size(0) % 32 == 0)
     return amx_linear_bf16(x, w);

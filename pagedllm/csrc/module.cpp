@@ -36,6 +36,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build has the AVX512-BF16 small-batch linear");
   m.def("amx_linear_bf16", &pagedllm::amx_linear_bf16,
         "x w^T for 1-32 bf16 rows x on AMX tiles, from the plain bf16 weight w");
+  m.def("pack_linear_weight_bf16", &pagedllm::pack_linear_weight_bf16,
+        "the bf16 weight [N, K] packed for packed_linear_bf16: [N/16, K/2, 16, 2]");
+  m.def("packed_linear_bf16", &pagedllm::packed_linear_bf16,
+        "x w^T for bf16 rows x (any number) from the packed weight (AVX512-BF16)");
+  m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
+        "whether this build has the AVX512-BF16 packed linear");
   m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");

@@ -46,6 +46,13 @@ bool has_small_linear_bf16();
 // multiples of 32. Only where amx_available().
 at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& w);
 
+// y = x w^T for bf16 x [M, K] at any M, from the weight packed once by
+// pack_linear_weight_bf16 ([N, K] -> [N/16, K/2, 16, 2]; N a multiple of 16, K even) for
+// AVX512-BF16 dot products (packed_linear.cpp). Only built where the CPU has AVX512-BF16.
+at::Tensor pack_linear_weight_bf16(const at::Tensor& w);
+at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
+bool has_packed_linear_bf16();
+
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -58,8 +65,9 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // A decode step's decoder layers for bf16 rows (decode_stack.cpp): the embeddings x
 // [T, hidden] in, the final norm's output out. weights: per layer kWeightsPerLayer (input
 // norm, qkv, qkv packed, o, o packed, post-attention norm, gate_up, gate_up packed, down,
-// down packed; a packed one is oneDNN's), then the final norm's; the attention metadata is
-// the paged_attention kernel's, for the step's rows. Linears take small_linear_bf16 up to
+// down packed), then the final norm's; the attention metadata is the paged_attention
+// kernel's, for the step's rows. A packed weight is packed_linear_bf16's (4-D: it takes
+// every row count) or oneDNN's; with oneDNN's, linears take small_linear_bf16 up to
 // small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond (as layers/linear.py).
 // With prefix_blocks, a prefix every row shares that the tables leave out: cascade
 // attention, its part by attention_over_keys (as attention/cpu_paged.py) on a view of each

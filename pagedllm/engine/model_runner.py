@@ -29,7 +29,7 @@ from pagedllm.engine.swap import allocate_swap_tensor
 from pagedllm.engine.workers import (BlockMoves, StepChannel, StepInputs, TensorParallelError,
                                      WorkerProcesses, acknowledge_exit, default_num_threads,
                                      sigint_deferred)
-from pagedllm.layers.linear import PrepackedWeight
+from pagedllm.layers.linear import PrepackedWeight, is_packed_for_pagedllm
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.models.config import ModelConfig
@@ -170,16 +170,19 @@ class ModelRunner:
         self.model.load_weights(weights)  # type: ignore[attr-defined]
         self.model.eval()
         packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, PrepackedWeight))
+        prepacked = [m for m in self.model.modules()
+                     if isinstance(m, PrepackedWeight) and m.packed_weight is not None]
+        ours = [m.packed_weight for m in prepacked if is_packed_for_pagedllm(m.packed_weight)]
         if packed and self.rank == 0:
-            logger.info("weights also kept in oneDNN's packed layout for batched bf16 "
-                        "matmuls: +%.0f MiB", packed / 2**20)
+            logger.info("weights also kept packed for bf16 matmuls (%d for pagedllm's kernel, "
+                        "%d for oneDNN): +%.0f MiB", len(ours), len(prepacked) - len(ours),
+                        packed / 2**20)
         if self.device.type == "cpu":
-            moved = memory.move_to_huge_pages(list(self.model.parameters()))
+            moved = memory.move_to_huge_pages(list(self.model.parameters()) + ours)
             # oneDNN's packed copies (opaque tensors) hold as many bytes as the weights
             moved += memory.collapse_to_huge_pages(
                 [(torch.ops.mkldnn.data_ptr(m.packed_weight), m.weight.nbytes)
-                 for m in self.model.modules()
-                 if isinstance(m, PrepackedWeight) and m.packed_weight is not None])
+                 for m in prepacked if not is_packed_for_pagedllm(m.packed_weight)])
             if moved and self.rank == 0:
                 logger.info("weights on 2 MiB pages: %.0f MiB", moved / 2**20)
         self.attention_backend = resolve_backend(self.config.attention_backend, self.device.type,

@@ -12,10 +12,11 @@ from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
 
-# Up to this many rows, bf16 linears on CPUs with AVX512-BF16 but no AMX take pagedllm's
-# own weight-streaming kernel (csrc/small_linear.cpp), where oneDNN streams the weights
-# slowly. Over SmolLM2's 30 layers on the 2-core Zen 5: 7.9 vs 11.3 ms at 4 rows, 10.6 vs
-# 15.9 at 8, 17.3 vs 18.7 at 16; on par at 24.
+# Up to this many rows, bf16 linears on CPUs with AVX512-BF16 but no AMX whose weight is
+# not packed for pagedllm's kernel (prepack_weight) take pagedllm's weight-streaming kernel
+# (csrc/small_linear.cpp), where oneDNN streams the weights slowly. Over SmolLM2's 30
+# layers on the 2-core Zen 5: 7.9 vs 11.3 ms at 4 rows, 10.6 vs 15.9 at 8, 17.3 vs 18.7 at
+# 16; on par at 24.
 SMALL_LINEAR_MAX_ROWS = 16
 # With AMX, up to this many rows (4-5x torch's speed at one row, on par at 4)...
 SMALL_LINEAR_MAX_ROWS_AMX = 4
@@ -52,24 +53,44 @@ def small_linear_rows() -> int:
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight reordered once into oneDNN's blocked (AMX / AVX512-BF16) layout, for bf16
-    on CPU; None elsewhere. torch's bf16 matmul reorders the weight on every call: with the
-    packed copy a decode step of 64 rows takes 18 instead of 32 ms of linears, a 2048-token
-    prefill chunk 180 instead of 250 (same results). fp32 keeps F.linear, so that fp32
-    outputs stay exactly those of HF transformers."""
-    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
-            or not torch.backends.mkldnn.is_available()):
+    """The weight packed once for bf16 matmuls on CPU; None elsewhere (fp32 keeps F.linear,
+    so that fp32 outputs stay exactly those of HF transformers).
+
+    On CPUs with AVX512-BF16 but no AMX: packed for pagedllm's own kernel
+    (csrc/packed_linear.cpp, a 4-D tensor), which then takes every row count. Over
+    SmolLM2's layers and lm_head on the 2-core Zen 5: 7.9 ms at 1 row (8.5 for the
+    weight-streaming kernel, 12.8 for oneDNN), 22.0 vs oneDNN's 27.0 at 32 rows, 41.1 vs
+    47.0 at 64, 2-5% faster at 512-2048. Elsewhere (AMX, or a shape it does not take: N not
+    a multiple of 16, K odd): oneDNN's blocked layout. torch's bf16 matmul reorders the
+    weight on every call: with the packed copy a decode step of 64 rows takes 18 instead of
+    32 ms of linears, a 2048-token prefill chunk 180 instead of 250 (same results)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    pack = _kernel("pack_linear_weight_bf16", "has_packed_linear_bf16")
+    if pack and not amx_linear_rows() and n % 16 == 0 and k % 2 == 0:
+        return pack(weight.detach())
+    if not torch.backends.mkldnn.is_available():
         return None
     # The batch-size hint only picks a blocking; 64 gave results equal to F.linear's.
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
+def is_packed_for_pagedllm(packed: torch.Tensor | None) -> bool:
+    """Whether prepack_weight packed this for pagedllm's kernel (else it is oneDNN's)."""
+    return packed is not None and packed.dim() == 4
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CPU in bf16 few rows (small_linear_rows) take the weight-streaming
-    kernel, up to AMX_LINEAR_MAX_ROWS the AMX kernel where there is one, and more rows the
-    prepacked weight (prepack_weight), when given."""
+    """F.linear; on CPU in bf16 a weight packed for pagedllm's kernel (prepack_weight)
+    takes it at every row count; otherwise few rows (small_linear_rows) take the
+    weight-streaming kernel, up to AMX_LINEAR_MAX_ROWS the AMX kernel where there is one,
+    and more rows oneDNN on the prepacked weight, when given."""
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
+        if is_packed_for_pagedllm(packed):
+            y = _kernel("packed_linear_bf16", "has_packed_linear_bf16")(x, packed)
+            return y if bias is None else y + bias
         rows = x.shape[0]
         if weight.dtype == torch.bfloat16 and weight.is_contiguous():
             kernel = None
@@ -88,12 +109,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class PrepackedWeight:
     """Mixin of the modules whose 2-D `weight` feeds linear(): after loading, prepack()
-    may keep a oneDNN-packed copy of it (see prepack_weight)."""
+    may keep a packed copy of it (see prepack_weight)."""
 
     packed_weight: torch.Tensor | None = None
 
     def prepack(self) -> int:
-        """Pack the loaded weight for oneDNN where that applies; the bytes it added."""
+        """Pack the loaded weight where that applies; the bytes it added."""
         self.packed_weight = prepack_weight(self.weight)  # type: ignore[attr-defined]
         return 0 if self.packed_weight is None else self.weight.nbytes  # type: ignore[attr-defined]
 

@@ -118,8 +118,8 @@ def _hooked(layer: nn.Module) -> bool:
 
 class _FusedStack:
     """The one-call decode stack's per-model arguments: each layer's norms and linear weights
-    (the plain ones for few rows, else oneDNN's packed ones), the final norm, the KV caches;
-    with what they were taken from, to check them each step by identity."""
+    (plain and packed), the final norm, the KV caches; with what they were taken from, to
+    check them each step by identity."""
 
     def __init__(self, layers: list[DecoderLayer], linears: list[LinearBase],
                  weights: list[torch.Tensor], attns: list[Attention]) -> None:
@@ -151,9 +151,10 @@ class _FusedStack:
             if any(not m.weight.is_contiguous() or (m.packed_weight is None and not few)
                    for m in layer_linears):
                 return None
-            # each linear's weight, and the one oneDNN takes beyond small_linear_rows() rows
-            qkv, o, gate_up, down = ((m.weight, m.weight if few else m.packed_weight)
-                                     for m in layer_linears)
+            # each linear's weight and its packed copy (decode_layers takes the plain one
+            # for few rows unless the copy is pagedllm's: see layers/linear.py)
+            qkv, o, gate_up, down = ((m.weight, m.weight if m.packed_weight is None
+                                      else m.packed_weight) for m in layer_linears)
             weights += [layer.input_layernorm.weight, *qkv, *o,
                         layer.post_attention_layernorm.weight, *gate_up, *down]
             linears += layer_linears
@@ -198,8 +199,8 @@ class DecoderModel(nn.Module):
         """A bf16 decode step on CPU as one C++ call (csrc/decode_stack.cpp, the same kernels
         in the same order as the loop in forward, so the same results), when every layer is
         a plain Llama layer (no q/k norms, biases or tensor parallelism) on the CPU
-        paged-attention backend, nothing hooks a layer, the weights are prepacked for
-        oneDNN where more than small_linear_rows() rows need them, and a cascade step (if
+        paged-attention backend, nothing hooks a layer, the weights are prepacked where
+        more than small_linear_rows() rows need them, and a cascade step (if
         any) has one prefix shared by all rows and pagedllm's attention kernel; otherwise None.
         Its per-model arguments are gathered once (_FusedStack, ~0.65 ms) and checked each
         step by identity (~12 us), so a hook added, a cache bound or a weight repacked since

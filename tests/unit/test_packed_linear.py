@@ -1,0 +1,86 @@
+"""The packed bf16 linear kernel (csrc/packed_linear.cpp) against float64 products, and
+which bf16 weights the engine packs for it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import cpu_ops
+from pagedllm.layers import linear as linear_mod
+from test_small_linear import check_against_float64  # tests/unit (pytest prepends rootdir)
+
+ext = cpu_ops.load()
+if ext is None or not ext.has_packed_linear_bf16():
+    # Only CPUs with AVX512-BF16 get the kernel (the engine then uses oneDNN); CI's do.
+    pytest.skip("no AVX512-BF16 on this CPU: the engine uses oneDNN", allow_module_level=True)
+
+
+def packed_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return ext.packed_linear_bf16(x, ext.pack_linear_weight_bf16(w))
+
+
+# Rows around the register tile (8) and the work chunk (256); outputs around the panel of
+# 3 groups of 16 (one, two or three groups in the last panel); K down to one pair.
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 17, 64, 255, 257, 600])
+@pytest.mark.parametrize("n,k", [(576, 576), (16, 2), (32, 34), (80, 1536), (960, 64)])
+def test_matches_float64_like_torch(m, n, k):
+    check_against_float64(packed_kernel, m, n, k)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    """Each output is the same sums in the same order whatever the other rows are: a row
+    computed alone, within 9 rows or within 300 gives the same bits."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(300, 576, generator=gen).bfloat16()
+    packed = ext.pack_linear_weight_bf16(torch.randn(960, 576, generator=gen).bfloat16())
+    whole = ext.packed_linear_bf16(x, packed)
+    for row in (0, 5, 8, 255, 299):
+        assert torch.equal(ext.packed_linear_bf16(x[row:row + 1], packed), whole[row:row + 1])
+    assert torch.equal(ext.packed_linear_bf16(x[3:12], packed), whole[3:12])
+
+
+def test_rows_of_a_strided_input_and_empty_input():
+    x = torch.randn(5, 2, 96).bfloat16()[:, 1]  # rows 192 elements apart
+    packed = ext.pack_linear_weight_bf16(torch.randn(48, 96).bfloat16())
+    assert torch.equal(ext.packed_linear_bf16(x, packed), ext.packed_linear_bf16(x.contiguous(), packed))
+    assert ext.packed_linear_bf16(torch.empty(0, 96).bfloat16(), packed).shape == (0, 48)
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(RuntimeError, match="N a multiple of 16 and K even"):
+        ext.pack_linear_weight_bf16(torch.randn(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="N a multiple of 16 and K even"):
+        ext.pack_linear_weight_bf16(torch.randn(48, 63).bfloat16())
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.pack_linear_weight_bf16(torch.randn(48, 64))
+    packed = ext.pack_linear_weight_bf16(torch.randn(48, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="packed weight's K"):
+        ext.packed_linear_bf16(torch.randn(2, 62).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="pack_linear_weight_bf16"):
+        ext.packed_linear_bf16(torch.randn(2, 64).bfloat16(), torch.randn(48, 64).bfloat16())
+
+
+def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_count(monkeypatch):
+    """Without AMX a bf16 weight with N % 16 == 0 and K even is packed for pagedllm's kernel,
+    and linear() sends every row count to it (bias added after); other shapes keep oneDNN's
+    packing, fp32 weights none. With AMX, oneDNN's packing stays."""
+    w, b = torch.randn(64, 128).bfloat16(), torch.randn(64).bfloat16()
+    packed = linear_mod.prepack_weight(w)
+    odd = linear_mod.prepack_weight(torch.randn(40, 128).bfloat16())
+    assert linear_mod.prepack_weight(w.float()) is None
+    assert odd is not None and not linear_mod.is_packed_for_pagedllm(odd)
+    if linear_mod.amx_linear_rows():
+        assert not linear_mod.is_packed_for_pagedllm(packed)
+        return
+    assert linear_mod.is_packed_for_pagedllm(packed)
+    calls = []
+    kernel = ext.packed_linear_bf16
+    monkeypatch.setitem(linear_mod._kernels, "packed_linear_bf16",
+                        lambda x, p: calls.append(len(x)) or kernel(x, p))
+    for rows in (1, linear_mod.small_linear_rows(), 17, 64, 300):
+        x = torch.randn(rows, 128).bfloat16()
+        ours = linear_mod.linear(x, w, b, packed)
+        assert torch.equal(ours, kernel(x, packed) + b)
+        torch.testing.assert_close(ours, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
+    assert calls == [1, linear_mod.small_linear_rows(), 17, 64, 300]
