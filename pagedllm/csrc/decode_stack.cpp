@@ -83,7 +83,11 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
     std::vector<at::Tensor> post = rms_norm(linear(attn.view({tokens, q_size}), w[3], w[4], small_rows, amx_rows),
                                             residual, w[5], eps);
     residual = post[1];
-    x = linear(silu_and_mul(linear(post[0], w[6], w[7], small_rows, amx_rows)), w[8], w[9], small_rows, amx_rows);
+    // gate/up and SiLU-and-mul in one pass where the weight is packed for it (same results)
+    const at::Tensor act =
+        w[7].dim() == 4 ? packed_gate_up_silu_bf16(post[0], w[7])
+                        : silu_and_mul(linear(post[0], w[6], w[7], small_rows, amx_rows));
+    x = linear(act, w[8], w[9], small_rows, amx_rows);
   }
   return rms_norm(x, residual, weights.back(), eps)[0];
 }

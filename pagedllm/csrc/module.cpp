@@ -40,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bf16 weight [N, K] packed for packed_linear_bf16: [N/16, K/2, 16, 2]");
   m.def("packed_linear_bf16", &pagedllm::packed_linear_bf16,
         "x w^T for bf16 rows x (any number) from the packed weight (AVX512-BF16)");
+  m.def("packed_gate_up_silu_bf16", &pagedllm::packed_gate_up_silu_bf16,
+        "silu(gate) * up of a packed [gate; up] projection in one pass (the results of "
+        "packed_linear_bf16 then silu_and_mul)");
   m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
         "whether this build has the AVX512-BF16 packed linear");
   m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",

@@ -52,6 +52,9 @@ at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& w);
 at::Tensor pack_linear_weight_bf16(const at::Tensor& w);
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
 bool has_packed_linear_bf16();
+// silu(x gate^T) * (x up^T) from a gate/up projection packed the same way ([gate; up] rows),
+// with the results of packed_linear_bf16 followed by silu_and_mul, bit for bit.
+at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packed);
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].

@@ -107,6 +107,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def gate_up_silu(x: torch.Tensor, gate_up: LinearBase) -> torch.Tensor | None:
+    """silu(gate) * up of a merged [gate; up] projection in one pass, where its weight is
+    packed for pagedllm's kernel (bf16 on CPU, no bias): the results of the linear followed
+    by SiLU-and-mul (layers/activation.py), bit for bit, without writing and re-reading the
+    projection's output. None elsewhere."""
+    packed = gate_up.packed_weight
+    if (not is_packed_for_pagedllm(packed) or gate_up.bias is not None or x.dim() != 2
+            or x.dtype != torch.bfloat16 or not x.is_cpu):
+        return None
+    return _kernel("packed_gate_up_silu_bf16", "has_packed_linear_bf16")(x, packed)
+
+
 class PrepackedWeight:
     """Mixin of the modules whose 2-D `weight` feeds linear(): after loading, prepack()
     may keep a packed copy of it (see prepack_weight)."""

@@ -20,7 +20,7 @@ from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (LinearBase,
                                     MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear, amx_linear_rows,
+                                    RowParallelLinear, amx_linear_rows, gate_up_silu,
                                     small_linear_rows)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
@@ -85,7 +85,10 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+        h = gate_up_silu(x, self.gate_up_proj)
+        if h is None:
+            h = self.act_fn.forward(self.gate_up_proj.forward(x))
+        return self.down_proj.forward(h)
 
 
 class DecoderLayer(nn.Module):

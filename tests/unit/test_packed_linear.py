@@ -84,3 +84,41 @@ def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_c
         assert torch.equal(ours, kernel(x, packed) + b)
         torch.testing.assert_close(ours, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
     assert calls == [1, linear_mod.small_linear_rows(), 17, 64, 300]
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 256, 300])
+@pytest.mark.parametrize("i,k", [(1536, 576), (16, 2), (48, 34), (32, 1536), (8, 64)])
+def test_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(m, i, k):
+    """The fused pass rounds like the two ops it replaces; gate and up of 8 features (one
+    group of 16 outputs in all) take the two ops themselves."""
+    gen = torch.Generator().manual_seed(m * 100 + i + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    packed = ext.pack_linear_weight_bf16(torch.randn(2 * i, k, generator=gen).bfloat16() / k ** 0.5)
+    fused = ext.packed_gate_up_silu_bf16(x, packed)
+    assert fused.shape == (m, i)
+    assert torch.equal(fused, ext.silu_and_mul(ext.packed_linear_bf16(x, packed)))
+
+
+def test_the_mlp_takes_the_fused_pass_where_its_weight_is_packed_for_it(monkeypatch):
+    from pagedllm.models.config import ModelConfig
+    from pagedllm.models.llama import MLP
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    mlp = MLP(config).bfloat16()
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(9, 64).bfloat16()
+    unpacked = mlp.forward(x)
+    for m in (mlp.gate_up_proj, mlp.down_proj):
+        m.prepack()
+    calls = []
+    kernel = ext.packed_gate_up_silu_bf16
+    monkeypatch.setitem(linear_mod._kernels, "packed_gate_up_silu_bf16",
+                        lambda x, p: calls.append(len(x)) or kernel(x, p))
+    packed = mlp.forward(x)
+    fused_here = linear_mod.is_packed_for_pagedllm(mlp.gate_up_proj.packed_weight)
+    assert calls == ([9] if fused_here else [])
+    torch.testing.assert_close(packed, unpacked, rtol=2e-2, atol=2e-2)
+    assert linear_mod.gate_up_silu(x.float(), mlp.gate_up_proj) is None
