@@ -90,10 +90,11 @@ def test_bf16_greedy_close_to_hf_bf16(llm, hf_bf16):
 
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkeypatch):
     """bf16 decode steps run the whole layer stack as one C++ call
-    (DecoderModel._fused_decode): the same kernels in the same order (the weight-streaming
-    linear up to small_linear_rows() rows, oneDNN's beyond), so the same tokens and
-    logprobs as the per-op forward, bit for bit. (Prefix caching is off: a cached prompt
-    takes another bf16 rounding path in prefill, on either side.)"""
+    (DecoderModel._fused_decode): the same kernels in the same order (pagedllm's packed
+    linear at every row count where the CPU has AVX512-BF16 and no AMX; else the
+    weight-streaming linear up to small_linear_rows() rows, oneDNN's beyond), so the same
+    tokens and logprobs as the per-op forward, bit for bit. (Prefix caching is off: a cached
+    prompt takes another bf16 rounding path in prefill, on either side.)"""
     from pagedllm import cpu_ops
     from pagedllm.models import llama
     if not torch.cpu._is_avx512_bf16_supported():
