@@ -119,15 +119,41 @@ void panel(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w,
                          ldy);
 }
 
-// The work items (chunk of rows, panel of groups), a chunk's panels adjacent, split
-// between the threads: decode steps have one chunk, and the threads split the weight.
-template <typename Fn>
-void for_panels(int64_t M, int64_t panels, const Fn& fn) {
+// y = x . w (or, gated, silu(gate) * up) over the work items (chunk of rows, panel of
+// output groups), a chunk's panels adjacent, split between the threads: decode steps have
+// one chunk, and the threads split the weight. y has y.size(1) / 16 output groups, each of
+// one weight group (gated: a gate group, and its up group in the weight's second half).
+template <bool kGated>
+void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), N = y.size(1);
+  const int64_t groups = N / kGroup;
+  const int64_t panel_groups = kGated ? kGatedTileGroups / 2 : kTileGroups;
+  const int64_t panels = (groups + panel_groups - 1) / panel_groups;
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t up = kGated ? groups * kGroup * K : 0;  // from a gate group to its up group
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = i / panels * kChunkRows;
-      fn(m0, std::min(kChunkRows, M - m0), i % panels);
+      const int64_t m0 = i / panels * kChunkRows, g0 = i % panels * panel_groups;
+      const int64_t rows = std::min(kChunkRows, M - m0);
+      const int64_t n = std::min(panel_groups, groups - g0);  // fewer in the last panel
+      const at::BFloat16* xs = xp + m0 * ldx;
+      const at::BFloat16* ws = wp + g0 * kGroup * K;
+      at::BFloat16* ys = yp + m0 * N + g0 * kGroup;
+      if constexpr (kGated) {
+        if (n == 2)
+          panel<kGatedTileRows, kGatedTileGroups, true>(xs, ldx, rows, ws, K, up, ys, N);
+        else
+          panel<kGatedTileRows, 2, true>(xs, ldx, rows, ws, K, up, ys, N);
+      } else {
+        switch (n) {
+          case 1: panel<kTileRows, 1, false>(xs, ldx, rows, ws, K, 0, ys, N); break;
+          case 2: panel<kTileRows, 2, false>(xs, ldx, rows, ws, K, 0, ys, N); break;
+          default: panel<kTileRows, 3, false>(xs, ldx, rows, ws, K, 0, ys, N); break;
+        }
+      }
     }
   });
 }
@@ -170,24 +196,9 @@ at::Tensor checked_input(const at::Tensor& x, const at::Tensor& packed) {
 
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed) {
   const at::Tensor xc = checked_input(x, packed);
-  const int64_t M = xc.size(0), K = xc.size(1), groups = packed.size(0), N = groups * kGroup;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({xc.size(0), packed.size(0) * kGroup}, x.options());
 #if defined(__AVX512BF16__)
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t ldx = xc.stride(0);
-  for_panels(M, (groups + kTileGroups - 1) / kTileGroups, [&](int64_t m0, int64_t rows, int64_t i) {
-    const int64_t g0 = i * kTileGroups;
-    const at::BFloat16* xs = xp + m0 * ldx;
-    const at::BFloat16* ws = wp + g0 * kGroup * K;
-    at::BFloat16* ys = yp + m0 * N + g0 * kGroup;
-    switch (std::min<int64_t>(kTileGroups, groups - g0)) {
-      case 1: panel<kTileRows, 1, false>(xs, ldx, rows, ws, K, 0, ys, N); break;
-      case 2: panel<kTileRows, 2, false>(xs, ldx, rows, ws, K, 0, ys, N); break;
-      default: panel<kTileRows, 3, false>(xs, ldx, rows, ws, K, 0, ys, N); break;
-    }
-  });
+  run<false>(xc, packed, y);
 #endif
   return y;
 }
@@ -197,23 +208,9 @@ at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packe
   const int64_t groups = packed.size(0);
   // gate and up each a whole number of groups, or the two ops (same results)
   if (groups % 2 != 0) return silu_and_mul(packed_linear_bf16(xc, packed));
-  const int64_t M = xc.size(0), K = xc.size(1), half = groups / 2, N = half * kGroup;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({xc.size(0), groups / 2 * kGroup}, x.options());
 #if defined(__AVX512BF16__)
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t ldx = xc.stride(0), up = half * kGroup * K, out_groups = kGatedTileGroups / 2;
-  for_panels(M, (half + out_groups - 1) / out_groups, [&](int64_t m0, int64_t rows, int64_t i) {
-    const int64_t g0 = i * out_groups;
-    const at::BFloat16* xs = xp + m0 * ldx;
-    const at::BFloat16* ws = wp + g0 * kGroup * K;
-    at::BFloat16* ys = yp + m0 * N + g0 * kGroup;
-    if (half - g0 >= out_groups)
-      panel<kGatedTileRows, kGatedTileGroups, true>(xs, ldx, rows, ws, K, up, ys, N);
-    else
-      panel<kGatedTileRows, 2, true>(xs, ldx, rows, ws, K, up, ys, N);
-  });
+  run<true>(xc, packed, y);
 #endif
   return y;
 }

@@ -122,12 +122,14 @@ def _hooked(layer: nn.Module) -> bool:
 class _FusedStack:
     """The one-call decode stack's per-model arguments: each layer's norms and linear weights
     (plain and packed), the final norm, the KV caches; with what they were taken from, to
-    check them each step by identity."""
+    check them each step by identity. all_packed: every linear has a packed copy (without
+    one, a linear can only take the weight-streaming kernel: up to small_linear_rows())."""
 
     def __init__(self, layers: list[DecoderLayer], linears: list[LinearBase],
                  weights: list[torch.Tensor], attns: list[Attention]) -> None:
         self.layers, self.linears, self.weights, self.attns = layers, linears, weights, attns
         self.packed = [m.packed_weight for m in linears]
+        self.all_packed = all(w is not None for w in self.packed)
         self.k_caches = [a.k_cache for a in attns]
         self.v_caches = [a.v_cache for a in attns]
 
@@ -139,7 +141,7 @@ class _FusedStack:
                 and all(m.packed_weight is w for m, w in zip(self.linears, self.packed)))
 
     @staticmethod
-    def gather(model: DecoderModel, few: bool) -> _FusedStack | None:
+    def gather(model: DecoderModel) -> _FusedStack | None:
         """The arguments, or None where the one-call stack does not apply."""
         layers, linears, weights, attns = list(model.layers), [], [], []
         for layer in layers:
@@ -151,11 +153,11 @@ class _FusedStack:
                     or attn.attn.impl is not cpu_paged.attention or not attn.attn.k_cache.numel()):
                 return None
             layer_linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(not m.weight.is_contiguous() or (m.packed_weight is None and not few)
-                   for m in layer_linears):
+            if any(not m.weight.is_contiguous() for m in layer_linears):
                 return None
-            # each linear's weight and its packed copy (decode_layers takes the plain one
-            # for few rows unless the copy is pagedllm's: see layers/linear.py)
+            # each linear's weight and its packed copy, or the weight again where there is
+            # none (decode_layers takes the plain one for few rows unless the copy is
+            # pagedllm's: see layers/linear.py)
             qkv, o, gate_up, down = ((m.weight, m.weight if m.packed_weight is None
                                       else m.packed_weight) for m in layer_linears)
             weights += [layer.input_layernorm.weight, *qkv, *o,
@@ -179,7 +181,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._fused_stacks: dict[bool, _FusedStack] = {}  # few rows or not -> its arguments
+        self._fused_stack: _FusedStack | None = None  # the one-call decode stack's arguments
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,13 +216,14 @@ class DecoderModel(nn.Module):
                 or not ext.has_small_linear_bf16() or torch.nn.modules.module._global_forward_hooks
                 or torch.nn.modules.module._global_forward_pre_hooks):
             return None
-        few = x.shape[0] <= small_linear_rows()
-        stack = self._fused_stacks.get(few)
+        stack = self._fused_stack
         if stack is None or not stack.current():
-            stack = _FusedStack.gather(self, few)
+            stack = _FusedStack.gather(self)
             if stack is None:  # (the last stack gathered stays, to be checked next step)
                 return None
-            self._fused_stacks[few] = stack
+            self._fused_stack = stack
+        if not stack.all_packed and x.shape[0] > small_linear_rows():
+            return None
         weights, k_caches, v_caches = stack.weights, stack.k_caches, stack.v_caches
         first = self.layers[0].self_attn
         plan = cpu_paged.decode_plan(ctx, x.shape[0], k_caches[0].shape[1])

@@ -140,7 +140,8 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
     prompt = [[1000 + 7 * j for j in range(20)]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    stack = model._fused_stacks[True]  # one row: the plain weights' stack
+    stack = model._fused_stack
+    assert stack is not None  # the decode steps took the one-call stack
     calls = 0
 
     def hook(module, args, output):
@@ -154,7 +155,7 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
         handle.remove()
     assert calls == 6  # the prefill and all 5 decode steps ran layer 17 as a module
     again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    assert model._fused_stacks[True] is stack
+    assert model._fused_stack is stack
     assert hooked == first and again == first
     attn = model.layers[3].self_attn.attn
     cache = attn.k_cache
@@ -162,7 +163,7 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
     try:
         assert not stack.current()
         rebound = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-        assert model._fused_stacks[True].k_caches[3] is attn.k_cache
+        assert model._fused_stack.k_caches[3] is attn.k_cache
     finally:
         attn.k_cache = cache
     assert rebound == first
