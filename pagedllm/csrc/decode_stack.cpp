@@ -1,7 +1,7 @@
 // A decode step's whole stack of decoder layers, in one call.
 //
 // It runs the kernels the model's Python forward runs (models/llama.py with the CPU ops:
-// rms_norm, packed_linear_bf16, small_linear_bf16, amx_linear_bf16 or oneDNN's matmul on the
+// rms_norm, packed_linear_bf16, q4_1_linear_bf16, small_linear_bf16, amx_linear_bf16 or oneDNN's matmul on the
 // prepacked weight, rotary_embedding, store_kv, paged_attention, silu_and_mul), in the same
 // order on the same tensors, so its results are the same bit for bit. What it saves is the
 // Python and torch dispatch around ~12 ops a layer: about 1 ms a step (measured at one row:
@@ -13,12 +13,14 @@
 namespace pagedllm {
 namespace {
 
-// x w^T: pagedllm's packed linear where the weight is packed for it; else the
+// x w^T: pagedllm's packed linear where the weight is packed for it (a GGUF Q4_1 weight:
+// q4_1_linear_bf16); else the
 // weight-streaming kernel for up to small_rows rows, the AMX one up to amx_rows, oneDNN's
 // matmul on the prepacked weight beyond (as layers/linear.py chooses).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
                   int64_t small_rows, int64_t amx_rows) {
-  if (packed.dim() == 4) return packed_linear_bf16(x, packed);
+  if (packed.dim() == 4)
+    return packed.scalar_type() == at::kByte ? q4_1_linear_bf16(x, packed) : packed_linear_bf16(x, packed);
   if (x.size(0) <= small_rows) return small_linear_bf16(x, w);
   if (x.size(0) <= amx_rows && x.size(1) % 32 == 0 && w.size(0) % 32 == 0)
     return amx_linear_bf16(x, w);
@@ -85,7 +87,8 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
     residual = post[1];
     // gate/up and SiLU-and-mul in one pass where the weight is packed for it (same results)
     const at::Tensor act =
-        w[7].dim() == 4 ? packed_gate_up_silu_bf16(post[0], w[7])
+        w[7].dim() == 4 && w[7].scalar_type() == at::kBFloat16
+            ? packed_gate_up_silu_bf16(post[0], w[7])
                         : silu_and_mul(linear(post[0], w[6], w[7], small_rows, amx_rows));
     x = linear(act, w[8], w[9], small_rows, amx_rows);
   }

@@ -39,10 +39,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_bf16", &pagedllm::pack_linear_weight_bf16,
         "the bf16 weight [N, K] packed for packed_linear_bf16: [N/16, K/2, 16, 2]");
   m.def("packed_linear_bf16", &pagedllm::packed_linear_bf16,
-        "x w^T for bf16 rows x (any number) from the packed weight (AVX512-BF16)");
+        "x w^T for bf16 rows x (any number) from the packed weight (AVX512-BF16); fp32_out: "
+        "the fp32 sums, unrounded", py::arg("x"), py::arg("packed"), py::arg("fp32_out") = false);
   m.def("packed_gate_up_silu_bf16", &pagedllm::packed_gate_up_silu_bf16,
         "silu(gate) * up of a packed [gate; up] projection in one pass (the results of "
         "packed_linear_bf16 then silu_and_mul)");
+  m.def("q4_1_linear_bf16", &pagedllm::q4_1_linear_bf16,
+        "x w^T for bf16 rows x from a GGUF Q4_1 weight packed by pack_q4_1 (its exact values)");
   m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
         "whether this build has the AVX512-BF16 packed linear");
   m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",

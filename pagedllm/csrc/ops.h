@@ -50,11 +50,17 @@ at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& w);
 // pack_linear_weight_bf16 ([N, K] -> [N/16, K/2, 16, 2]; N a multiple of 16, K even) for
 // AVX512-BF16 dot products (packed_linear.cpp). Only built where the CPU has AVX512-BF16.
 at::Tensor pack_linear_weight_bf16(const at::Tensor& w);
-at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
+// fp32_out: the fp32 sums as they are (logits), not rounded to bf16.
+at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, bool fp32_out = false);
 bool has_packed_linear_bf16();
 // silu(x gate^T) * (x up^T) from a gate/up projection packed the same way ([gate; up] rows),
 // with the results of packed_linear_bf16 followed by silu_and_mul, bit for bit.
 at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packed);
+
+// y = x w^T for bf16 x [M, K] from a GGUF Q4_1 weight kept quantized (q4_linear.cpp): w's
+// exact values d * q + m, from layers/linear.py pack_q4_1's uint8 [N/16, K/32, 320]. Only
+// built where the CPU has AVX512-BF16.
+at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].

@@ -82,9 +82,9 @@ inline void dot_tile(__m512 (&acc)[MR][NG], const at::BFloat16* x, int64_t ldx,
 // silu(gate) * up with the roundings of packed_linear_bf16 followed by silu_and_mul (the
 // gate and up sums to bf16, SiLU's result to bf16, the product to bf16), so the fused
 // kernel's results are those of the two ops bit for bit.
-template <int MR, int NG, bool kGated>
+template <int MR, int NG, bool kGated, typename Out>
 inline void tile(int64_t rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
-                 int64_t K, int64_t up, at::BFloat16* y, int64_t ldy) {
+                 int64_t K, int64_t up, Out* y, int64_t ldy) {
   if constexpr (MR > 1) {
     if (rows < MR) return tile<MR - 1, NG, kGated>(rows, x, ldx, w, K, up, y, ldy);
   }
@@ -111,9 +111,9 @@ inline void tile(int64_t rows, const at::BFloat16* x, int64_t ldx, const at::BFl
 }
 
 // All M rows against one panel of NG groups, MR rows at a time.
-template <int MR, int NG, bool kGated>
+template <int MR, int NG, bool kGated, typename Out>
 void panel(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w, int64_t K,
-           int64_t up, at::BFloat16* y, int64_t ldy) {
+           int64_t up, Out* y, int64_t ldy) {
   for (int64_t m = 0; m < M; m += MR)
     tile<MR, NG, kGated>(std::min<int64_t>(MR, M - m), x + m * ldx, ldx, w, K, up, y + m * ldy,
                          ldy);
@@ -123,7 +123,7 @@ void panel(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w,
 // output groups), a chunk's panels adjacent, split between the threads: decode steps have
 // one chunk, and the threads split the weight. y has y.size(1) / 16 output groups, each of
 // one weight group (gated: a gate group, and its up group in the weight's second half).
-template <bool kGated>
+template <bool kGated, typename Out = at::BFloat16>
 void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), N = y.size(1);
   const int64_t groups = N / kGroup;
@@ -133,7 +133,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
   const int64_t up = kGated ? groups * kGroup * K : 0;  // from a gate group to its up group
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  Out* yp = y.data_ptr<Out>();
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = i / panels * kChunkRows, g0 = i % panels * panel_groups;
@@ -141,7 +141,7 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
       const int64_t n = std::min(panel_groups, groups - g0);  // fewer in the last panel
       const at::BFloat16* xs = xp + m0 * ldx;
       const at::BFloat16* ws = wp + g0 * kGroup * K;
-      at::BFloat16* ys = yp + m0 * N + g0 * kGroup;
+      Out* ys = yp + m0 * N + g0 * kGroup;
       if constexpr (kGated) {
         if (n == 2)
           panel<kGatedTileRows, kGatedTileGroups, true>(xs, ldx, rows, ws, K, up, ys, N);
@@ -194,11 +194,15 @@ at::Tensor checked_input(const at::Tensor& x, const at::Tensor& packed) {
 
 }  // namespace
 
-at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed) {
+at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, bool fp32_out) {
   const at::Tensor xc = checked_input(x, packed);
-  at::Tensor y = at::empty({xc.size(0), packed.size(0) * kGroup}, x.options());
+  at::Tensor y = at::empty({xc.size(0), packed.size(0) * kGroup},
+                           x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
-  run<false>(xc, packed, y);
+  if (fp32_out)
+    run<false, float>(xc, packed, y);
+  else
+    run<false>(xc, packed, y);
 #endif
   return y;
 }

@@ -148,7 +148,14 @@ class LLMEngine:
             env = torchrun_env()
             if env is not None and env.world_size > 1 and env.rank != 0:
                 serve_worker_rank(config, env)  # never returns: this rank only runs shards
-        self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype))
+        q4_1 = None
+        if config.quantization == "gguf":
+            if source.format != "gguf":
+                raise ValueError(f"quantization=gguf needs a GGUF model; {source.path!r} is "
+                                 f"{source.format}")
+            q4_1 = source.q4_1_weights()
+        self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype),
+                                        q4_1_weights=q4_1)
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_kvcache_blocks, block_size=config.block_size,

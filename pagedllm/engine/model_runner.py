@@ -29,7 +29,8 @@ from pagedllm.engine.swap import allocate_swap_tensor
 from pagedllm.engine.workers import (BlockMoves, StepChannel, StepInputs, TensorParallelError,
                                      WorkerProcesses, acknowledge_exit, default_num_threads,
                                      sigint_deferred)
-from pagedllm.layers.linear import PrepackedWeight, is_packed_for_pagedllm
+from pagedllm.layers.linear import LinearBase, PrepackedWeight, is_packed_for_pagedllm
+from pagedllm.layers.quantized import attach_q4_1
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.models.config import ModelConfig
@@ -69,8 +70,10 @@ class ModelRunner:
     faults: FaultInjector | None = None  # test-only, see engine/fault_injection.py
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 weights: "object", dist_info: DistInfo | None = None) -> None:
-        """dist_info is given to ranks > 0; rank 0 works it out (and spawns the others)."""
+                 weights: "object", dist_info: DistInfo | None = None,
+                 q4_1_weights: "object | None" = None) -> None:
+        """dist_info is given to ranks > 0; rank 0 works it out (and spawns the others).
+        q4_1_weights (quantization="gguf"): ModelSource.q4_1_weights(), kept quantized."""
         self.config = config
         self.model_config = model_config
         self.block_size = config.block_size
@@ -92,7 +95,7 @@ class ModelRunner:
         try:
             if self.world_size > 1:
                 self._check_same_dtype()
-            self._build_model(weights)
+            self._build_model(weights, q4_1_weights)
             self.num_kvcache_blocks = self.allocate_kv_cache()
             self.num_swap_blocks = self.allocate_swap_space()
             if (self.device.type == "cuda" and not config.enforce_eager
@@ -154,7 +157,7 @@ class ModelRunner:
         return DecodeGraphs(self.model, cfg.max_num_seqs, -(-cfg.max_model_len // self.block_size),
                             mc.hidden_size, self.device, self.dtype)
 
-    def _build_model(self, weights: "object") -> None:
+    def _build_model(self, weights: "object", q4_1_weights: "object | None" = None) -> None:
         mc = self.model_config
         t = time.perf_counter()
         default_dtype = torch.get_default_dtype()
@@ -170,6 +173,8 @@ class ModelRunner:
         self.model.load_weights(weights)  # type: ignore[attr-defined]
         self.model.eval()
         packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, PrepackedWeight))
+        if q4_1_weights is not None:
+            packed += self._keep_q4_1(q4_1_weights)
         prepacked = [m for m in self.model.modules()
                      if isinstance(m, PrepackedWeight) and m.packed_weight is not None]
         ours = [m.packed_weight for m in prepacked if is_packed_for_pagedllm(m.packed_weight)]
@@ -195,6 +200,27 @@ class ModelRunner:
             logger.info("loaded %s (%s, %d layers) in %.1f s; attention backend: %s",
                         mc.name or mc.architecture, str(self.dtype).removeprefix("torch."),
                         mc.num_hidden_layers, time.perf_counter() - t, self.attention_backend)
+
+    def _keep_q4_1(self, q4_1_weights: "object") -> int:
+        """quantization="gguf": the linears whose GGUF weights are Q4_1 take them packed for
+        the Q4_1 kernel instead of a bf16 copy; the bytes this adds over the weights."""
+        from pagedllm.cpu_ops import load
+        ext = load()
+        if self.device.type != "cpu" or ext is None or not ext.has_packed_linear_bf16():
+            raise ValueError("quantization=gguf needs the CPU kernels built with AVX512-BF16 "
+                             "(this CPU or build has none)")
+        before = {m: m.packed_weight for m in self.model.modules() if isinstance(m, LinearBase)}
+        changed = attach_q4_1(self.model, q4_1_weights)  # type: ignore[arg-type]
+        if not changed:
+            raise ValueError("quantization=gguf: the model has no Q4_1 linear weights to keep "
+                             "(only GGUF Q4_1 is kept quantized; other types are dequantized)")
+        added = sum(m.packed_weight.nbytes for m in changed)
+        dropped = sum(m.weight.nbytes for m in changed if before[m] is not None)  # as prepack()
+        if self.rank == 0:
+            logger.info("quantization gguf: %d of %d linears keep their Q4_1 weights (%.0f MiB; "
+                        "the others stay %s)", len(changed), len(before), added / 2**20,
+                        str(self.dtype).removeprefix("torch."))
+        return added - dropped
 
     # ---- KV cache -----------------------------------------------------------------------------
 

@@ -39,7 +39,9 @@ class ParallelLMHead(PrepackedWeight, VocabParallelEmbedding):
     on rank 0 (the others return None)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = linear(hidden, self.weight, packed=self.packed_weight)
+        # fp32 logits where pagedllm's bf16 kernel computes them: rounded to bf16 (a step of
+        # 1/16 at 16), near-equal top tokens would tie and the first index win
+        logits = linear(hidden, self.weight, packed=self.packed_weight, fp32_out=True)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

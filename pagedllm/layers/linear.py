@@ -77,19 +77,25 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def is_packed_for_pagedllm(packed: torch.Tensor | None) -> bool:
-    """Whether prepack_weight packed this for pagedllm's kernel (else it is oneDNN's)."""
+    """Whether the packed weight is one of pagedllm's plain tensors: prepack_weight's for
+    the bf16 kernel, or a GGUF Q4_1 weight (layers/quantized.py); else it is oneDNN's."""
     return packed is not None and packed.dim() == 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
     """F.linear; on CPU in bf16 a weight packed for pagedllm's kernel (prepack_weight)
     takes it at every row count; otherwise few rows (small_linear_rows) take the
     weight-streaming kernel, up to AMX_LINEAR_MAX_ROWS the AMX kernel where there is one,
-    and more rows oneDNN on the prepacked weight, when given."""
+    and more rows oneDNN on the prepacked weight, when given. A GGUF Q4_1 weight kept
+    quantized (layers/quantized.py) takes its kernel at every row count. fp32_out (logits):
+    pagedllm's bf16 kernel returns its fp32 sums unrounded; other paths return x's dtype."""
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
         if is_packed_for_pagedllm(packed):
-            y = _kernel("packed_linear_bf16", "has_packed_linear_bf16")(x, packed)
+            if packed.dtype == torch.uint8:
+                y = _kernel("q4_1_linear_bf16", "has_packed_linear_bf16")(x, packed)
+            else:
+                y = _kernel("packed_linear_bf16", "has_packed_linear_bf16")(x, packed, fp32_out)
             return y if bias is None else y + bias
         rows = x.shape[0]
         if weight.dtype == torch.bfloat16 and weight.is_contiguous():
@@ -113,7 +119,8 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearBase) -> torch.Tensor | None:
     by SiLU-and-mul (layers/activation.py), bit for bit, without writing and re-reading the
     projection's output. None elsewhere."""
     packed = gate_up.packed_weight
-    if (not is_packed_for_pagedllm(packed) or gate_up.bias is not None or x.dim() != 2
+    if (not is_packed_for_pagedllm(packed) or packed.dtype != torch.bfloat16
+            or gate_up.bias is not None or x.dim() != 2
             or x.dtype != torch.bfloat16 or not x.is_cpu):
         return None
     return _kernel("packed_gate_up_silu_bf16", "has_packed_linear_bf16")(x, packed)

@@ -20,11 +20,11 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from pagedllm.models.config import ModelConfig
 
-from .dequant import dequantize
+from .dequant import dequantize, q4_1_parts
 from .errors import ModelLoadError, naming_errors
 from .gguf_header import scan_gguf
 from .source import ModelSource
@@ -84,8 +84,11 @@ def load_gguf(path: str) -> ModelSource:
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         return _iter_weights(reader, names, config, dtype, path)
 
+    def q4_1_stream() -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        return _iter_q4_1(reader, names, config, path)
+
     return ModelSource(path=path, format="gguf", config=config, tokenizer=tokenizer,
-                       weight_names=weight_names, _stream=stream)
+                       weight_names=weight_names, _stream=stream, _q4_1_stream=q4_1_stream)
 
 
 def open_gguf(path: str) -> GGUFReader:
@@ -395,6 +398,17 @@ def _iter_weights(reader: GGUFReader, names: dict[str, str | None], config: Mode
             weight = dequantize(tensor.data, tensor.tensor_type, _hf_shape(tensor), tensor.name)
             weight = _to_hf_layout(weight, tensor.name, config)
         yield hf_name, weight.to(dtype)
+
+
+def _iter_q4_1(reader: GGUFReader, names: dict[str, str | None], config: ModelConfig,
+               path: str) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    for tensor in reader.tensors:
+        hf_name = names[tensor.name]
+        if hf_name is None or tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        with naming_errors(path, "cannot read weights"):
+            parts = q4_1_parts(tensor.data, _hf_shape(tensor), tensor.name)
+            yield hf_name, tuple(_to_hf_layout(part, tensor.name, config) for part in parts)
 
 
 def _to_hf_layout(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:

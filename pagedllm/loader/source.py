@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from pagedllm.tokenizer import Tokenizer
 
 WeightStream = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
+# (HF name, (quants, scales, minimums)) of each weight a GGUF stores as Q4_1
+Q4_1Stream = Callable[[], Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]
 
 
 @dataclass
@@ -32,6 +34,7 @@ class ModelSource:
     tokenizer: "Tokenizer"
     weight_names: list[str]
     _stream: WeightStream = field(repr=False)
+    _q4_1_stream: Q4_1Stream | None = field(default=None, repr=False)
 
     def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` pairs one at a time, dequantized and cast to ``dtype``.
@@ -40,3 +43,8 @@ class ModelSource:
         model and drop it without ever holding two copies of the weights.
         """
         return self._stream(dtype)
+
+    def q4_1_weights(self) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """Yield ``(hf_name, (q, d, m))`` for each weight the file stores as GGUF Q4_1, kept
+        quantized (loader/dequant.py q4_1_parts) and in HF layout; nothing for other formats."""
+        return iter(()) if self._q4_1_stream is None else self._q4_1_stream()

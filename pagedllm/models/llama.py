@@ -165,7 +165,9 @@ class _FusedStack:
             linears += layer_linears
             attns.append(attn.attn)
         weights.append(model.norm.weight)
-        if not all(w.dtype == torch.bfloat16 for w in weights):
+        # (a GGUF Q4_1 weight kept quantized is packed as uint8: decode_layers takes it too)
+        if not all(w.dtype == torch.bfloat16 or (w.dtype == torch.uint8 and w.dim() == 4)
+                   for w in weights):
             return None
         return _FusedStack(layers, linears, weights, attns)
 

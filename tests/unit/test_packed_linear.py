@@ -77,13 +77,18 @@ def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_c
     calls = []
     kernel = ext.packed_linear_bf16
     monkeypatch.setitem(linear_mod._kernels, "packed_linear_bf16",
-                        lambda x, p: calls.append(len(x)) or kernel(x, p))
+                        lambda x, p, fp32_out=False: calls.append(len(x)) or kernel(x, p, fp32_out))
     for rows in (1, linear_mod.small_linear_rows(), 17, 64, 300):
         x = torch.randn(rows, 128).bfloat16()
         ours = linear_mod.linear(x, w, b, packed)
         assert torch.equal(ours, kernel(x, packed) + b)
         torch.testing.assert_close(ours, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
     assert calls == [1, linear_mod.small_linear_rows(), 17, 64, 300]
+    # fp32_out (logits): the same sums, unrounded
+    x = torch.randn(9, 128).bfloat16()
+    wide = linear_mod.linear(x, w, None, packed, fp32_out=True)
+    assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), kernel(x, packed))
+    torch.testing.assert_close(wide, x.double().matmul(w.double().T).float(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 256, 300])

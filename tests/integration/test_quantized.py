@@ -1,0 +1,115 @@
+"""quantization="gguf": the bundled model's Q4_1 linears run on their quantized weights.
+Greedy outputs stay close to HF transformers' fp32 (vLLM's check: at the first token where
+the two continuations differ, each side's token is in the other's top-5), the one-call
+decode stack gives the per-op forward's tokens and logprobs, and what cannot be kept
+quantized is refused with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_features import cpu_flags
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.quantized import is_q4_1
+
+pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
+                                reason="quantization=gguf needs a CPU with AVX512-BF16")
+
+NEW_TOKENS = 24
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(quantization="gguf", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
+               enable_prefix_caching=False)
+
+
+def test_every_linear_holds_its_q4_1_weight_and_the_head_stays_bf16(llm):
+    model = llm.engine.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 4 * 30 and all(is_q4_1(m.packed_weight) for m in linears)
+    assert model.lm_head.weight.dtype == torch.bfloat16     # Q8_0 in the GGUF: dequantized
+
+
+def _top5_hf(model, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0, -1].topk(5).indices.tolist()
+
+
+def _top5_ours(llm: LLM, ids: list[int]) -> list[int]:
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    return [token for token, _ in out.logprobs[0].top]
+
+
+def test_greedy_close_to_hf_fp32(llm, hf_smollm, hf_greedy_tokens):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    agreed = 0
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        ours = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+        theirs = hf_greedy_tokens([ids], NEW_TOKENS)[0]
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), NEW_TOKENS)
+        agreed += same
+        if same < NEW_TOKENS:
+            prefix = ids + list(ours[:same])
+            assert ours[same] in _top5_hf(hf_smollm, prefix), (prompt, same)
+            assert theirs[same] in _top5_ours(llm, prefix), (prompt, same)
+    assert agreed >= len(PROMPTS) * NEW_TOKENS // 2, agreed   # not a lucky top-5 walk
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text, out.outputs[0].text
+
+
+def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, monkeypatch):
+    """Decode steps take the one-call stack with the Q4_1 weights too (every row count: one-row
+    tiles up to 3 rows, 4-row tiles beyond), with the per-op forward's results bit for bit;
+    and batching does not change a sequence's tokens."""
+    from pagedllm.models import llama
+    lengths = [15, 16, 17, 40, 3, 33, 64]
+    prompts = [[1000 + 37 * i + j for j in range(length)] for i, length in enumerate(lengths)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    fused = llama.DecoderModel._fused_decode
+    calls = 0
+
+    def counting(self, x, positions):
+        nonlocal calls
+        out = fused(self, x, positions)
+        calls += out is not None
+        return out
+
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:3]]
+    for rows in (1, 3, 7):
+        monkeypatch.setattr(llama.DecoderModel, "_fused_decode", counting)
+        calls = 0
+        ours = llm.generate(prompts[:rows], params, use_tqdm=False)
+        assert calls == 11
+        monkeypatch.setattr(llama.DecoderModel, "_fused_decode", lambda self, x, positions: None)
+        per_op = llm.generate(prompts[:rows], params, use_tqdm=False)
+        for a, b in zip(ours, per_op):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        for a, b in zip(ours, alone):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_what_cannot_stay_quantized_is_refused(tiny_gguf):
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(quantization="gguf", dtype="float32")
+    with pytest.raises(ValueError, match="gguf or unset"):
+        LLM(quantization="awq")
+    with pytest.raises(ValueError, match="one rank"):
+        LLM(quantization="gguf", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="no Q4_1 linear weights"):  # an F32 GGUF
+        LLM(model=str(tiny_gguf), quantization="gguf", dtype="bfloat16",
+            kv_cache_memory_bytes=2**20)
