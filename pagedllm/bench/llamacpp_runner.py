@@ -43,11 +43,12 @@ class LlamaCppRunner:
     engine = "llama.cpp"
 
     def __init__(self, binary: str, gguf: str, dtype: str, threads: int, parallel: int,
-                 max_seq_len: int, cache_prompt: bool = True, startup_timeout: float = 300.0) -> None:
+                 max_seq_len: int, cache_prompt: bool = True, startup_timeout: float = 300.0,
+                 user_gguf: bool = False) -> None:
         if dtype not in _KV_TYPES:
             raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r}")
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
-        self.parallel, self.cache_prompt = parallel, cache_prompt
+        self.parallel, self.cache_prompt, self.user_gguf = parallel, cache_prompt, user_gguf
         self.slot_ctx = -(-(max_seq_len + 16) // 256) * 256  # a slot holds the longest request
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -93,7 +94,9 @@ class LlamaCppRunner:
     def settings(self) -> dict:
         return {"parallel_slots": self.parallel, "slot_ctx": self.slot_ctx,
                 "cache_prompt": self.cache_prompt, "kv_cache_type": _KV_TYPES[self.dtype],
-                "gguf": os.path.basename(self.gguf), "load_s": round(self.load_s, 2)}
+                "gguf": os.path.basename(self.gguf), "load_s": round(self.load_s, 2),
+                # a GGUF the user chose (--llama-gguf, e.g. the Q4_1 original) is named in the rows
+                **({"label": os.path.basename(self.gguf)} if self.user_gguf else {})}
 
     def _body(self, r: BenchRequest, stream: bool) -> dict:
         return {"prompt": r.prompt_token_ids, "n_predict": r.output_len, "ignore_eos": True,

@@ -244,7 +244,7 @@ class Bench:
         for on in ([True, False] if self._has("prefix") else [True]):
             self._run_peer(dtype, lambda: LlamaCppRunner(
                 self.args.llama_server, gguf, dtype, self.args.threads, self.args.llama_parallel,
-                ctx, cache_prompt=on),
+                ctx, cache_prompt=on, user_gguf=self.args.llama_gguf is not None),
                 workloads=None if on else self._only("prefix"),
                 prefix_label=f"prompt cache {'on' if on else 'off'}")
 
@@ -269,7 +269,8 @@ class Bench:
                 else:
                     result = throughput_result(w, runner.throughput(w), runner)
                 if w.name == "prefix" and prefix_label:
-                    result.settings["label"] = prefix_label
+                    result.settings["label"] = ", ".join(
+                        filter(None, [result.settings.get("label"), prefix_label]))
                 self._add_roofline(result, w)
                 self.results.append(result)
                 self.bar.update(1)

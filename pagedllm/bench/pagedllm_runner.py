@@ -59,9 +59,10 @@ class PagedLLMRunner:
         return {"max_num_seqs": cfg.max_num_seqs,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens,
                 "block_size": cfg.block_size, "enable_prefix_caching": cfg.enable_prefix_caching,
-                "enforce_eager": cfg.enforce_eager,
+                "enforce_eager": cfg.enforce_eager, "quantization": cfg.quantization,
                 "num_kv_blocks": self.llm.engine.model_runner.num_kvcache_blocks,
-                "load_s": round(self.load_s, 2)}
+                "load_s": round(self.load_s, 2),
+                **({"label": "Q4_1 weights"} if cfg.quantization == "gguf" else {})}
 
     def warmup(self, workload: Workload) -> None:
         self.llm.generate([r.prompt_token_ids for r in workload.requests],
