@@ -39,6 +39,13 @@ def server_version(binary: str) -> str:
     return line.removeprefix("version:").strip() or "unknown"
 
 
+def gguf_tensor_bytes(path: str) -> int:
+    """The bytes of a GGUF's tensors, as stored (quantized or not): what llama.cpp reads for
+    a token (a tied embedding is its output matrix)."""
+    from gguf import GGUFReader
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
 class LlamaCppRunner:
     engine = "llama.cpp"
 
@@ -96,7 +103,8 @@ class LlamaCppRunner:
                 "cache_prompt": self.cache_prompt, "kv_cache_type": _KV_TYPES[self.dtype],
                 "gguf": os.path.basename(self.gguf), "load_s": round(self.load_s, 2),
                 # a GGUF the user chose (--llama-gguf, e.g. the Q4_1 original) is named in the rows
-                **({"label": os.path.basename(self.gguf)} if self.user_gguf else {})}
+                **({"label": os.path.basename(self.gguf), "weight_bytes": gguf_tensor_bytes(self.gguf)}
+                   if self.user_gguf else {})}
 
     def _body(self, r: BenchRequest, stream: bool) -> dict:
         return {"prompt": r.prompt_token_ids, "n_predict": r.output_len, "ignore_eos": True,

@@ -286,7 +286,9 @@ class Bench:
         if w.name == "latency":
             r = w.requests[0]
             steps = range(r.prompt_len + 1, r.prompt_len + r.output_len)
-            decode_s = sum(decode_step_roofline_seconds(self.cost, c, itemsize, peak, bw) for c in steps)
+            weight_bytes = result.settings.get("weight_bytes")  # quantized weights: their bytes
+            decode_s = sum(decode_step_roofline_seconds(self.cost, c, itemsize, peak, bw, weight_bytes)
+                           for c in steps)
             bound_tok_s = len(steps) / decode_s if decode_s else None
             ttft_bound = prefill_roofline_seconds(self.cost, r.prompt_len, peak)
             result.roofline = {"tok_s": bound_tok_s, "decode_seconds": decode_s,

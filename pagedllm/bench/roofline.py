@@ -165,10 +165,15 @@ def workload_roofline(cost: ModelCost, workload: Workload, itemsize: int, peak_g
 
 
 def decode_step_roofline_seconds(cost: ModelCost, context_len: int, itemsize: int,
-                                 peak_gflops: float, bandwidth_gbs: float) -> float:
-    """Fastest single-stream decode step at a given context length (W2's decode bound)."""
+                                 peak_gflops: float, bandwidth_gbs: float,
+                                 weight_bytes: float | None = None) -> float:
+    """Fastest single-stream decode step at a given context length (W2's decode bound).
+    weight_bytes: what the engine's weights take if not weight_params of itemsize bytes
+    (quantized weights)."""
     flops = cost.output_flops_per_token + context_len * cost.attn_flops_per_pair
-    nbytes = itemsize * (cost.weight_params + context_len * cost.kv_elements_per_token)
+    if weight_bytes is None:
+        weight_bytes = itemsize * cost.weight_params
+    nbytes = weight_bytes + itemsize * context_len * cost.kv_elements_per_token
     return max(flops / (peak_gflops * 1e9), nbytes / (bandwidth_gbs * 1e9))
 
 

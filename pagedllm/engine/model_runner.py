@@ -173,8 +173,6 @@ class ModelRunner:
         self.model.load_weights(weights)  # type: ignore[attr-defined]
         self.model.eval()
         packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, PrepackedWeight))
-        if q4_1_weights is not None:
-            packed += self._keep_q4_1(q4_1_weights)
         prepacked = [m for m in self.model.modules()
                      if isinstance(m, PrepackedWeight) and m.packed_weight is not None]
         ours = [m.packed_weight for m in prepacked if is_packed_for_pagedllm(m.packed_weight)]
@@ -182,6 +180,11 @@ class ModelRunner:
             logger.info("weights also kept packed for bf16 matmuls (%d for pagedllm's kernel, "
                         "%d for oneDNN): +%.0f MiB", len(ours), len(prepacked) - len(ours),
                         packed / 2**20)
+        if q4_1_weights is not None:
+            self._keep_q4_1(q4_1_weights)
+            prepacked = [m for m in self.model.modules()
+                         if isinstance(m, PrepackedWeight) and m.packed_weight is not None]
+            ours = [m.packed_weight for m in prepacked if is_packed_for_pagedllm(m.packed_weight)]
         if self.device.type == "cpu":
             moved = memory.move_to_huge_pages(list(self.model.parameters()) + ours)
             # oneDNN's packed copies (opaque tensors) hold as many bytes as the weights
@@ -203,7 +206,7 @@ class ModelRunner:
 
     def _keep_q4_1(self, q4_1_weights: "object") -> int:
         """quantization="gguf": the linears whose GGUF weights are Q4_1 take them packed for
-        the Q4_1 kernel instead of a bf16 copy; the bytes this adds over the weights."""
+        the Q4_1 kernel instead of their bf16 weights; the bytes this adds (negative: frees)."""
         from pagedllm.cpu_ops import load
         ext = load()
         if self.device.type != "cpu" or ext is None or not ext.has_packed_linear_bf16():
@@ -215,12 +218,17 @@ class ModelRunner:
             raise ValueError("quantization=gguf: the model has no Q4_1 linear weights to keep "
                              "(only GGUF Q4_1 is kept quantized; other types are dequantized)")
         added = sum(m.packed_weight.nbytes for m in changed)
-        dropped = sum(m.weight.nbytes for m in changed if before[m] is not None)  # as prepack()
+        # their bf16 weights and bf16 packings are no longer read: freed (the weight an empty
+        # tensor of its dtype; linear() and decode_layers take the Q4_1 packing first)
+        freed = sum(m.weight.nbytes * (2 if before[m] is not None else 1) for m in changed)
+        for m in changed:
+            m.weight.data = torch.empty(0, dtype=m.weight.dtype)
         if self.rank == 0:
-            logger.info("quantization gguf: %d of %d linears keep their Q4_1 weights (%.0f MiB; "
-                        "the others stay %s)", len(changed), len(before), added / 2**20,
+            logger.info("quantization gguf: %d of %d linears keep their Q4_1 weights (%.0f MiB, "
+                        "%.0f MiB of bf16 copies freed; the others stay %s)", len(changed),
+                        len(before), added / 2**20, freed / 2**20,
                         str(self.dtype).removeprefix("torch."))
-        return added - dropped
+        return added - freed
 
     # ---- KV cache -----------------------------------------------------------------------------
 

@@ -30,10 +30,11 @@ def llm():
                enable_prefix_caching=False)
 
 
-def test_every_linear_holds_its_q4_1_weight_and_the_head_stays_bf16(llm):
+def test_every_linear_holds_only_its_q4_1_weight_and_the_head_stays_bf16(llm):
     model = llm.engine.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert len(linears) == 4 * 30 and all(is_q4_1(m.packed_weight) for m in linears)
+    assert all(m.weight.numel() == 0 for m in linears)       # the bf16 copies freed
     assert model.lm_head.weight.dtype == torch.bfloat16     # Q8_0 in the GGUF: dequantized
 
 
