@@ -2,16 +2,19 @@
 // transformers and llama.cpp dequantize), 5 bits a weight read from memory instead of 16.
 //
 // A Q4_1 block is 32 consecutive input features of one output: w = d * q + m, q in 0..15,
-// d and m fp16. So x . w over a block is d * (x . q) + m * sum(x): the integers q are exact
-// in bf16, x . q runs on AVX512-BF16 dot products like packed_linear.cpp, and each block's
-// sum is scaled by d and corrected by m * sum(x) in fp32. (Dequantized to bf16 first, d * q
-// + m would be rounded to 8 bits of mantissa: this keeps the GGUF's weights as they are.)
+// d and m fp16. A 16-bit word whose low 4 bits are q, OR 0x4300, is the bf16 of 128 + q
+// (exact), so over a block x . w = d * (x . (128 + q)) + (m - 128 d) * sum(x): the dot
+// products run on AVX512-BF16 like packed_linear.cpp, and each block's sum is scaled by d
+// and corrected in fp32. (Dequantized to bf16 first, d * q + m would be rounded to 8 bits
+// of mantissa: this keeps the GGUF's weights as they are.)
 //
-// Packed once (layers/linear.py pack_q4_1) as [N/16][K/32][320 bytes]: for each group of 16
-// outputs and block of 32 inputs, 8 runs of 32 bytes, run t holding the 16 outputs' pairs
-// 2t (low nibbles) and 2t + 1 (high nibbles) in the lane order of a dot product, then the
-// 16 outputs' d, then their m (fp16). One 32-byte load widens to 32 words, whose low and
-// high nibbles, looked up in a table of bf16 0..15, are the next two weight vectors.
+// Packed once (layers/quantized.py pack_q4_1) as [N/64][K/32][4 groups][320 bytes]: a panel
+// of 4 groups of 16 outputs, block after block, so one row streams a panel in order. A
+// group's block is 4 runs of 64 bytes, then its 16 outputs' d, then their m (fp16). Word
+// 2o + e of run u holds, in its nibbles s = 0..3, output o's element e of the block's input
+// pair 4u + s: one 64-byte load gives 4 weight vectors of 16 pairs, in the lane order of a
+// dot product, by a shift and a ternary-logic op each. (Widening bytes and looking the
+// nibbles up in a table of bf16 0..15 with VPERMW ran no faster.)
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch.
@@ -21,7 +24,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -38,9 +40,10 @@ constexpr int64_t kScaleOffset = 256, kMinOffset = 288;
 
 #if defined(__AVX512BF16__)
 // A register tile is kTileRows rows by kTileGroups groups (half a panel); up to kFewRows
-// rows, one row by a whole panel, with each group's low and high nibbles summed apart: one
-// row has too few independent sums to hide the dot product's latency otherwise (2 chains of
-// 16 per block ran at a third of the speed).
+// rows, one row by a whole panel. Each (row, group) keeps two sums in a block, of the even
+// and of the odd pairs: one row has too few independent sums to hide the dot product's
+// latency otherwise (2 chains of 16 per block ran at a third of the speed), and every tile
+// sums in the same order.
 constexpr int kTileRows = 4;
 constexpr int kTileGroups = 2;
 constexpr int64_t kFewRows = 3;
@@ -50,15 +53,14 @@ constexpr int64_t kChunkRows = 256;  // rows per work item
 // 2.9-3.0 ms; 2-8 blocks all alike).
 constexpr int64_t kPrefetchBlocks = 3;
 
-// One tile: y[0:rows] over NG groups (group g's block b at w + (b * kPanelGroups + g) * 320), from x and
-// each row's per-block sums xs (row stride ldxs). Split: the pairs of low and high nibbles
-// in separate sums, added at the block's end.
-template <int MR, int NG, bool Split = false>
+// One tile: y[0:rows] over NG groups (group g's block b at w + (b * kPanelGroups + g) *
+// kBlockBytes), from x and each row's per-block sums xs (row stride ldxs).
+template <int MR, int NG>
 void tile(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
           const uint8_t* w, int64_t blocks, at::BFloat16* y, int64_t ldy) {
   if constexpr (MR > 1) {
     if (rows < MR)
-      return tile<MR - 1, NG, Split>(rows, x, ldx, xs, ldxs, w, blocks, y, ldy);
+      return tile<MR - 1, NG>(rows, x, ldx, xs, ldxs, w, blocks, y, ldy);
   }
   // Word | 0x4300 is the bf16 of 128 + its low 4 bits: the weights as 128 + q, exact.
   const __m512i nibble = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16(0x4300);
@@ -68,16 +70,13 @@ void tile(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int
 #pragma GCC unroll 16
     for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 part[MR][NG], part_hi[Split ? MR : 1][Split ? NG : 1];  // x . q over the block
+    __m512 part[MR][NG], part_odd[MR][NG];  // x . (128 + q) over the block's even, odd pairs
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-      for (int g = 0; g < NG; ++g) {
-        part[m][g] = _mm512_setzero_ps();
-        if constexpr (Split) part_hi[m][g] = _mm512_setzero_ps();
-      }
+      for (int g = 0; g < NG; ++g) part[m][g] = part_odd[m][g] = _mm512_setzero_ps();
     const uint8_t* wb = w + b * kPanelGroups * kBlockBytes;
-    if constexpr (MR == 1 && NG == kPanelGroups) {  // a whole panel, one row: request the panel kPrefetchBlocks on
+    if constexpr (MR == 1 && NG == kPanelGroups) {  // one row: request the panel kPrefetchBlocks on
 #pragma GCC unroll 20
       for (int64_t c = 0; c < kPanelGroups * kBlockBytes; c += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBlocks * kPanelGroups * kBlockBytes + c),
@@ -107,18 +106,16 @@ void tile(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int
           const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
 #pragma GCC unroll 16
           for (int g = 0; g < NG; ++g) {  // (the broadcast last: it can be the instruction's)
-            if (Split && k % 2) part_hi[m][g] = _mm512_dpbf16_ps(part_hi[m][g], q[k][g], xv);
+            if (k % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q[k][g], xv);
             else part[m][g] = _mm512_dpbf16_ps(part[m][g], q[k][g], xv);
           }
         }
       }
     }
-    if constexpr (Split) {
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m)
+    for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-        for (int g = 0; g < NG; ++g) part[m][g] = _mm512_add_ps(part[m][g], part_hi[m][g]);
-    }
+      for (int g = 0; g < NG; ++g) part[m][g] = _mm512_add_ps(part[m][g], part_odd[m][g]);
 #pragma GCC unroll 16
     for (int g = 0; g < NG; ++g) {
       const uint8_t* s = wb + g * kBlockBytes;
@@ -139,12 +136,12 @@ void tile(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int
     for (int g = 0; g < NG; ++g) pagedllm::store16(y + m * ldy + g * kGroup, acc[m][g]);
 }
 
-template <int MR, int NG, bool Split>
+template <int MR, int NG>
 void panel_rows(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs, int64_t M,
-           const uint8_t* w, int64_t blocks, at::BFloat16* y, int64_t ldy) {
+                const uint8_t* w, int64_t blocks, at::BFloat16* y, int64_t ldy) {
   for (int64_t m = 0; m < M; m += MR)
-    tile<MR, NG, Split>(std::min<int64_t>(MR, M - m), x + m * ldx, ldx, xs + m * ldxs, ldxs, w,
-                        blocks, y + m * ldy, ldy);
+    tile<MR, NG>(std::min<int64_t>(MR, M - m), x + m * ldx, ldx, xs + m * ldxs, ldxs, w, blocks,
+                 y + m * ldy, ldy);
 }
 
 void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
@@ -176,9 +173,9 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
       const uint8_t* ws = wp + panel * panel_bytes + part * kTileGroups * kBlockBytes;
       at::BFloat16* ys = yp + m0 * N + (panel * kPanelGroups + part * kTileGroups) * kGroup;
       if (few)
-        panel_rows<1, kPanelGroups, true>(xr, ldx, xs, blocks, rows, ws, blocks, ys, N);
+        panel_rows<1, kPanelGroups>(xr, ldx, xs, blocks, rows, ws, blocks, ys, N);
       else
-        panel_rows<kTileRows, kTileGroups, true>(xr, ldx, xs, blocks, rows, ws, blocks, ys, N);
+        panel_rows<kTileRows, kTileGroups>(xr, ldx, xs, blocks, rows, ws, blocks, ys, N);
     }
   });
 }
