@@ -223,6 +223,13 @@ class ModelRunner:
         freed = sum(m.weight.nbytes * (2 if before[m] is not None else 1) for m in changed)
         for m in changed:
             m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+        # The bf16 LM head on pagedllm's packed kernel everywhere (with AMX it was packed for
+        # oneDNN): its fp32 logits, and the same kernel as on CPUs without AMX
+        head = getattr(self.model, "lm_head", None)
+        if (isinstance(head, PrepackedWeight) and head.weight.dtype == torch.bfloat16
+                and not is_packed_for_pagedllm(head.packed_weight)
+                and head.weight.shape[0] % 16 == 0 and head.weight.shape[1] % 2 == 0):
+            head.packed_weight = ext.pack_linear_weight_bf16(head.weight.detach())
         if self.rank == 0:
             logger.info("quantization gguf: %d of %d linears keep their Q4_1 weights (%.0f MiB, "
                         "%.0f MiB of bf16 copies freed; the others stay %s)", len(changed),

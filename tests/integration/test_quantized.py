@@ -36,6 +36,24 @@ def test_every_linear_holds_only_its_q4_1_weight_and_the_head_stays_bf16(llm):
     assert len(linears) == 4 * 30 and all(is_q4_1(m.packed_weight) for m in linears)
     assert all(m.weight.numel() == 0 for m in linears)       # the bf16 copies freed
     assert model.lm_head.weight.dtype == torch.bfloat16     # Q8_0 in the GGUF: dequantized
+    head = model.lm_head.packed_weight                      # on pagedllm's kernel, AMX or not:
+    assert head.dim() == 4 and head.dtype == torch.bfloat16  # fp32 logits
+
+
+def test_where_amx_would_pack_for_onednn_the_head_still_takes_pagedllms_kernel(monkeypatch):
+    """On an AMX CPU prepack_weight packs for oneDNN (bf16 logits); with quantized weights
+    the head is repacked for pagedllm's kernel, so its logits are fp32 there too."""
+    from pagedllm.layers import linear as linear_mod
+    monkeypatch.setattr(linear_mod, "amx_linear_rows", lambda: 32)  # prepack as with AMX
+    assert not linear_mod.is_packed_for_pagedllm(
+        linear_mod.prepack_weight(torch.randn(64, 64).bfloat16()))
+    llm = LLM(quantization="gguf", kv_cache_memory_bytes=32 * 2**20, max_model_len=256,
+              enable_prefix_caching=False)
+    model = llm.engine.model_runner.model
+    head = model.lm_head.packed_weight
+    assert head.dim() == 4 and head.dtype == torch.bfloat16
+    hidden = torch.randn(3, model.config.hidden_size).bfloat16()
+    assert model.compute_logits(hidden).dtype == torch.float32
 
 
 def _top5_hf(model, ids: list[int]) -> list[int]:
