@@ -204,9 +204,9 @@ class ModelRunner:
                         mc.name or mc.architecture, str(self.dtype).removeprefix("torch."),
                         mc.num_hidden_layers, time.perf_counter() - t, self.attention_backend)
 
-    def _keep_q4_1(self, q4_1_weights: "object") -> int:
+    def _keep_q4_1(self, q4_1_weights: "object") -> None:
         """quantization="gguf": the linears whose GGUF weights are Q4_1 take them packed for
-        the Q4_1 kernel instead of their bf16 weights; the bytes this adds (negative: frees)."""
+        the Q4_1 kernel instead of their bf16 weights."""
         from pagedllm.cpu_ops import load
         ext = load()
         if self.device.type != "cpu" or ext is None or not ext.has_packed_linear_bf16():
@@ -235,7 +235,6 @@ class ModelRunner:
                         "%.0f MiB of bf16 copies freed; the others stay %s)", len(changed),
                         len(before), added / 2**20, freed / 2**20,
                         str(self.dtype).removeprefix("torch."))
-        return added - freed
 
     # ---- KV cache -----------------------------------------------------------------------------
 

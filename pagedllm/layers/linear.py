@@ -82,6 +82,12 @@ def is_packed_for_pagedllm(packed: torch.Tensor | None) -> bool:
     return packed is not None and packed.dim() == 4
 
 
+def is_q4_1(packed: torch.Tensor | None) -> bool:
+    """Whether a linear's packed weight is a GGUF Q4_1 weight (layers/quantized.py
+    pack_q4_1; else bf16, oneDNN's, or none)."""
+    return packed is not None and packed.dtype == torch.uint8
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
     """F.linear; on CPU in bf16 a weight packed for pagedllm's kernel (prepack_weight)
@@ -92,7 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pagedllm's bf16 kernel returns its fp32 sums unrounded; other paths return x's dtype."""
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
         if is_packed_for_pagedllm(packed):
-            if packed.dtype == torch.uint8:
+            if is_q4_1(packed):
                 y = _kernel("q4_1_linear_bf16", "has_packed_linear_bf16")(x, packed)
             else:
                 y = _kernel("packed_linear_bf16", "has_packed_linear_bf16")(x, packed, fp32_out)
@@ -119,7 +125,7 @@ def gate_up_silu(x: torch.Tensor, gate_up: LinearBase) -> torch.Tensor | None:
     by SiLU-and-mul (layers/activation.py), bit for bit, without writing and re-reading the
     projection's output. None elsewhere."""
     packed = gate_up.packed_weight
-    if (not is_packed_for_pagedllm(packed) or packed.dtype != torch.bfloat16
+    if (not is_packed_for_pagedllm(packed) or is_q4_1(packed)
             or gate_up.bias is not None or x.dim() != 2
             or x.dtype != torch.bfloat16 or not x.is_cpu):
         return None

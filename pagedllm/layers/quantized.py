@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.linear import LinearBase, is_q4_1  # noqa: F401 (is_q4_1: re-exported)
 
 BLOCK = 32          # input features per Q4_1 block
 PANEL_GROUPS = 4    # output groups of 16 side by side in the packed layout
@@ -49,11 +49,6 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
     per_group = torch.cat([quants, per_block(d), per_block(m)], 2)
     return per_group.reshape(groups // PANEL_GROUPS, PANEL_GROUPS, blocks, BLOCK_BYTES) \
         .transpose(1, 2).contiguous()
-
-
-def is_q4_1(packed: torch.Tensor | None) -> bool:
-    """Whether a linear's packed weight is pack_q4_1's (else bf16, or none)."""
-    return packed is not None and packed.dtype == torch.uint8
 
 
 def attach_q4_1(model: nn.Module,

@@ -20,7 +20,7 @@ from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (LinearBase,
                                     MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear, amx_linear_rows, gate_up_silu,
+                                    RowParallelLinear, amx_linear_rows, gate_up_silu, is_q4_1,
                                     small_linear_rows)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
@@ -166,8 +166,7 @@ class _FusedStack:
             attns.append(attn.attn)
         weights.append(model.norm.weight)
         # (a GGUF Q4_1 weight kept quantized is packed as uint8: decode_layers takes it too)
-        if not all(w.dtype == torch.bfloat16 or (w.dtype == torch.uint8 and w.dim() == 4)
-                   for w in weights):
+        if not all(w.dtype == torch.bfloat16 or is_q4_1(w) for w in weights):
             return None
         return _FusedStack(layers, linears, weights, attns)
 
