@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.kernels import probes
+
 CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton", "flash")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,7 +71,8 @@ class EngineConfig:
         "torch (torch_native), cpu_paged (C++), triton, flash (flash-attn)", default="auto",
         choices=list(ATTENTION_BACKENDS))
     enforce_eager: bool = _opt(
-        "never capture CUDA graphs of decode (CUDA only; the CPU path is always eager)", default=False)
+        "run every step op by op through the model's forward: no CUDA graphs of decode steps, "
+        "no one-call CPU decode stack (module hooks then fire on every step)", default=False)
     seed: int = _opt("seed of the sampler's shared random generator", default=0)
     num_threads: int | None = _opt(
         "torch intra-op threads per rank (default: the cores divided among the local ranks)",
@@ -200,7 +203,4 @@ def default_dtype(device: str = "cpu") -> torch.dtype:
     """
     if device == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    cpu = torch.cpu
-    native_bf16 = any(getattr(cpu, probe, lambda: False)()
-                      for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return torch.bfloat16 if native_bf16 else torch.float32
+    return torch.bfloat16 if probes.cpu_has_native_bf16() else torch.float32

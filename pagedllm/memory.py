@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.utils import cdiv
+
 HUGE_PAGE = 2 * 2**20
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # Linux; MADV_COLLAPSE since 6.1
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -69,7 +71,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     offsets, total = [], 0
     for t in unique:
         offsets.append(total)
-        total += -(-t.nbytes // align) * align
+        total += cdiv(t.nbytes, align) * align
     if not unique:
         return 0
     region = huge_page_bytes(total)
@@ -106,7 +108,7 @@ def collapse_to_huge_pages(ranges: list[tuple[int, int]]) -> int:
             spans.append([start, start + nbytes])
     collapsed = 0
     for start, end in spans:
-        first = -(-start // HUGE_PAGE) * HUGE_PAGE
+        first = cdiv(start, HUGE_PAGE) * HUGE_PAGE
         last = end // HUGE_PAGE * HUGE_PAGE
         if last <= first:
             continue

@@ -2,8 +2,7 @@
 
 torch_native's decode gathers every sequence's whole padded context out of the cache in
 every layer of every step (a full copy of the live KV cache per step); this kernel walks
-the block tables instead. It is part of the C++ extension pagedllm.cpu_ops builds on first
-use; if that fails the engine falls back to torch_native, which stays the reference.
+the block tables instead. It is one of pagedllm's C++ kernels (pagedllm/kernels); if that fails the engine falls back to torch_native, which stays the reference.
 
 Per row of the batch (num cached tokens, num new tokens): rows with few new tokens
 (decodes, short chunks over a cached prefix) take the kernel; a prompt with nothing cached
@@ -25,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm import cpu_ops
 from pagedllm.attention import torch_native
 from pagedllm.attention.context import Context
+from pagedllm.kernels import ops, probes
 
 # Rows with at most this many new tokens over a cached prefix run in the kernel.
 MAX_KERNEL_QUERY_LEN = 32
@@ -49,9 +48,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     before its row's table, and the log-sum-exp of their scores), the result is attention
     over both.
     """
-    ext = cpu_ops.load()
-    assert ext is not None, "the C++ paged-attention kernel is not available"
-    ext.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale,
+    ops.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale,
                         prefix_out, prefix_lse)
 
 
@@ -150,15 +147,14 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         keys, values = (c.index_select(0, blocks) for c in (k_cache, v_cache))
     if prompt_kernel(q):  # pagedllm's kernel, without a mask
         out = torch.empty(q.shape, dtype=q.dtype)
-        lse = cpu_ops.load().attention_over_keys(out, q, keys.flatten(0, 1),
-                                                 values.flatten(0, 1), scale, False)
+        lse = ops.attention_over_keys(out, q, keys.flatten(0, 1), values.flatten(0, 1), scale,
+                                      False)
         return out, lse
     keys = keys.flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, P, D]
     values = values.flatten(0, 1).transpose(0, 1)[None]
     queries = q.view(num_tokens, kv_heads, group, dim).permute(1, 0, 2, 3)
     queries = queries.reshape(1, kv_heads, num_tokens * group, dim)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        queries, keys, values, 0.0, False, scale=scale)
+    out, lse = ops.flash_attention_with_lse(queries, keys, values, scale)
     out = out[0].view(kv_heads, num_tokens, group, dim).permute(1, 0, 2, 3)
     lse = lse[0].view(kv_heads, num_tokens, group).permute(1, 0, 2)
     return out.reshape(num_tokens, heads, dim), lse.reshape(num_tokens, heads)
@@ -218,9 +214,7 @@ def attention_kernel(dtype: torch.dtype, head_dim: int) -> bool:
     (csrc/prompt_attention.cpp): bf16, head_dim 64, a build with AVX512-BF16. It runs on
     AMX tiles where the CPU and kernel allow them (1.6-1.9x torch's flash attention), else
     on AVX512-BF16 dot products (several times torch's there, which computes in fp32)."""
-    ext = cpu_ops.load()
-    return (dtype == torch.bfloat16 and head_dim == 64 and ext is not None
-            and ext.prompt_attention_isa() != "")
+    return dtype == torch.bfloat16 and head_dim == 64 and probes.prompt_attention_isa() != ""
 
 
 def prompt_kernel(q: torch.Tensor) -> bool:
@@ -250,8 +244,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             assert ctx.block_tables is not None
             keys, values = (torch_native.gather_kv(c, ctx.block_tables[i], len_k)
                             for c in (k_cache, v_cache))
-            cpu_ops.load().attention_over_keys(out[start:end], q[start:end], keys, values,
-                                               scale, True)
+            ops.attention_over_keys(out[start:end], q[start:end], keys, values, scale, True)
         else:
             assert ctx.block_tables is not None
             out[start:end] = torch_native.cached_prefix_attention(
@@ -259,7 +252,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         start = end
     if prompts:  # every prompt with nothing cached, in one call
         starts, lens = (torch.tensor(c, dtype=torch.int64) for c in zip(*prompts))
-        cpu_ops.load().prompt_attention(out, q, k, v, starts, lens, scale)
+        ops.prompt_attention(out, q, k, v, starts, lens, scale)
     if kernel_rows:
         assert ctx.block_tables is not None
         rows, q_starts, q_lens, k_lens = (list(c) for c in zip(*kernel_rows))
@@ -278,7 +271,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """Same contract as torch_native.attention."""
     if not k_cache.numel():  # no cache bound (profiling runs): nothing to read in place
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale)
-    cpu_ops.load().store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     # q is a view into the step's qkv projection: the kernel reads it in place (a copy cost
     # 21 us per layer at 64 rows); the output is contiguous.
     if not ctx.is_prefill:

@@ -15,6 +15,8 @@ from types import ModuleType
 
 import torch
 
+from pagedllm.kernels import probes
+
 BACKEND_MODULES = {
     "torch": "pagedllm.attention.torch_native",
     "cpu_paged": "pagedllm.attention.cpu_paged",
@@ -36,10 +38,8 @@ def backend_problems(name: str, device: str, block_size: int, dtype: torch.dtype
     if name == "cpu_paged":
         if device != "cpu":
             problems.append("the cpu_paged kernel is CPU-only; use triton or flash on CUDA")
-        else:
-            from pagedllm import cpu_ops
-            if not cpu_ops.is_available():
-                problems.append(f"the C++ kernel did not build ({cpu_ops.load_error})")
+        elif not probes.available():
+            problems.append(f"the C++ kernel did not build ({probes.unavailable_reason()})")
     if name == "flash":
         if device != "cuda":
             problems.append("flash-attn needs device='cuda' (it has no CPU kernels)")

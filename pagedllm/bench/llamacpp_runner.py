@@ -17,6 +17,7 @@ from pagedllm.bench.gguf_convert import gguf_for_dtype
 from pagedllm.bench.http_client import HTTPError, request_json, stream_events
 from pagedllm.bench.results import LatencyRun, ThroughputRun
 from pagedllm.bench.workloads import BenchRequest, Workload
+from pagedllm.utils import cdiv
 
 __all__ = ["LlamaCppRunner", "gguf_for_dtype"]
 
@@ -56,7 +57,7 @@ class LlamaCppRunner:
             raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r}")
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
         self.parallel, self.cache_prompt, self.user_gguf = parallel, cache_prompt, user_gguf
-        self.slot_ctx = -(-(max_seq_len + 16) // 256) * 256  # a slot holds the longest request
+        self.slot_ctx = cdiv(max_seq_len + 16, 256) * 256  # a slot holds the longest request
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._version = server_version(binary)

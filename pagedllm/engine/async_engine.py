@@ -21,7 +21,8 @@ from typing import Any, AsyncIterator, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.errors import EngineDeadError
-from pagedllm.engine.llm_engine import LLMEngine, Prompt, StepStats
+from pagedllm.engine.llm_engine import LLMEngine, Prompt
+from pagedllm.engine.stats import StepStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

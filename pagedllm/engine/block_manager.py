@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 
 from pagedllm.engine.sequence import Sequence
+from pagedllm.utils import cdiv
 
 
 class Block:
@@ -155,7 +156,7 @@ class BlockManager:
             _, table = self._plan(seq)
             computed = len(table) * bs
             revive = sum(1 for b in table if b not in self.used_block_ids)
-        new = max(0, -(-(computed + num_new_tokens) // bs) - len(table))
+        new = max(0, cdiv(computed + num_new_tokens, bs) - len(table))
         i = computed // bs
         cow = int(bool(seq.block_table) and i < len(table) and self.blocks[table[i]].ref_count > 1)
         return revive + new + cow
@@ -247,15 +248,6 @@ class BlockManager:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
-
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether a sequence without blocks can get all its tokens at once."""
-        return self.can_allocate_slots(seq, len(seq) - self.num_reusable_tokens(seq))
-
-    def allocate(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Blocks for all tokens of a sequence without blocks (an unchunked prefill)."""
-        assert not seq.block_table, f"{seq} already holds blocks"
-        return self.allocate_slots(seq, len(seq) - self.num_reusable_tokens(seq))
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop the sequence's references, last block first: tail blocks are the least

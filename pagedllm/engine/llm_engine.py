@@ -10,16 +10,21 @@ from pagedllm.distributed import torchrun_env
 from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.engine.model_runner import ModelRunner, available_memory_bytes
+from pagedllm.engine.kv_cache import available_memory_bytes
+from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
-from pagedllm.engine.workers import TensorParallelError, serve_worker_rank
+from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, StepStats
+from pagedllm.engine.tp.errors import TensorParallelError
+from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
+from pagedllm.engine.tp.worker import serve_worker_rank, worker_main
 from pagedllm.loader import load_model_source
 from pagedllm.loader.validate import check_fits_in_memory
 from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -59,80 +64,6 @@ class _RequestState:
         return all(s.seq.is_finished for s in self.samples)
 
 
-@dataclass
-class KVMemoryStats:
-    """Samples of KV-cache use, taken after every EVERY-th step (each sample walks every
-    block table, so not after every step unless check_invariants is on)."""
-
-    EVERY = 8
-    num_steps: int = 0
-    num_samples: int = 0
-    tokens_held: int = 0       # summed over samples
-    slots_allocated: int = 0   # summed over samples
-    peak_blocks: int = 0
-
-    def step(self, scheduler: Scheduler, sample: bool = False) -> None:
-        bm = scheduler.block_manager
-        self.peak_blocks = max(self.peak_blocks, len(bm.used_block_ids))
-        if sample or self.num_steps % self.EVERY == 0:
-            held, slots = bm.kv_usage(list(scheduler.running))
-            if slots:
-                self.num_samples += 1
-                self.tokens_held += held
-                self.slots_allocated += slots
-        self.num_steps += 1
-
-    @property
-    def waste(self) -> float:
-        """Fraction of allocated KV slots holding no token, averaged over the samples."""
-        return 1 - self.tokens_held / self.slots_allocated if self.slots_allocated else 0.0
-
-    def report(self, scheduler: Scheduler) -> str:
-        bm = scheduler.block_manager
-        return (f"KV cache: {bm.num_blocks} blocks of {bm.block_size} tokens; peak "
-                f"{self.peak_blocks} blocks used; over {self.num_samples} samples "
-                f"{self.tokens_held} tokens held in {self.slots_allocated} slots allocated: "
-                f"{self.waste:.1%} wasted in partly filled blocks; prefix-cache hit rate "
-                f"{bm.hit_rate:.1%} ({bm.num_hit_tokens} of {bm.num_query_tokens} tokens); "
-                f"{bm.num_copy_on_writes} copies on write; {scheduler.num_preemptions} preemptions")
-
-
-@dataclass
-class StepStats:
-    """What the last step did, for progress bars, logs and metrics."""
-
-    is_prefill: bool = False     # whether any prompt tokens were computed
-    num_seqs: int = 0
-    num_tokens: int = 0
-    seconds: float = 0.0
-    num_prefill_tokens: int = 0
-
-
-@dataclass
-class EngineStats:
-    """Counters and gauges for /metrics, read on the engine's own thread."""
-
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_cached_free_blocks: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-
-
-@dataclass
-class KVCacheSnapshot:
-    """Everything a picture of the paged KV cache needs, as plain data (JSON-ready)."""
-
-    block_size: int
-    ref_counts: list[int]          # per physical block; 0 = free
-    cached: list[bool]             # per block: holds a prefix reusable by its hash
-    requests: list[dict]           # running and waiting requests with their block tables
-    stats: EngineStats
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -154,8 +85,12 @@ class LLMEngine:
                 raise ValueError(f"quantization=gguf needs a GGUF model; {source.path!r} is "
                                  f"{source.format}")
             q4_1 = source.q4_1_weights()
+        dist_info = workers = None
+        if config.tensor_parallel_size > 1:  # rank 0: the other ranks join it, or it starts them
+            dist_info, spawn = rank0_dist_info(config.tensor_parallel_size)
+            workers = WorkerProcesses(config, dist_info, spawn, target=worker_main)
         self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype),
-                                        q4_1_weights=q4_1)
+                                        dist_info, q4_1, workers)
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_kvcache_blocks, block_size=config.block_size,
@@ -212,7 +147,7 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(token_ids)} tokens, but max_model_len is "
                              f"{cfg.max_model_len} (prompt + at least one output token)")
         total = min(cfg.max_model_len, len(token_ids) + (sp.max_tokens or cfg.max_model_len))
-        blocks = -(-total // cfg.block_size)
+        blocks = cdiv(total, cfg.block_size)
         cache_blocks = self.scheduler.block_manager.num_blocks
         if blocks > cache_blocks:
             raise ValueError(

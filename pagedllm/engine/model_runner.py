@@ -1,106 +1,84 @@
 """ModelRunner: owns the model shard and the KV cache of one rank, turns scheduled sequences
 into tensors, runs the forward pass and samples (seeds 000 and 002).
 
-With tensor parallelism rank 0's runner also starts the other ranks (engine/workers.py)
-and publishes each step's inputs to them; their runners only execute the model.
+Each step runs on one of three executors: the model's forward, a replayed CUDA graph
+(engine/cuda_graph.py) or the one-call CPU decode stack (engine/cpu_decode_stack.py).
+With tensor parallelism rank 0's runner publishes each step's inputs to the other ranks
+(engine/tp/), whose runners only execute the model.
 """
 from __future__ import annotations
 
 import atexit
 import logging
-import os
 import time
 from dataclasses import fields
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 import torch
 
-from pagedllm import memory
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.attention.dispatch import load_backend, resolve_backend
 from pagedllm.config import EngineConfig
-from pagedllm.distributed import (DistInfo, all_gather_str, all_reduce_min, destroy_distributed,
-                                  free_port, get_store, init_distributed, torchrun_env)
+from pagedllm.distributed import (DistInfo, all_gather_str, destroy_distributed, get_store,
+                                  init_distributed)
+from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
+from pagedllm.engine.cuda_graph import DecodeGraphs
 from pagedllm.engine.fault_injection import FaultInjector
+from pagedllm.engine.kv_cache import (KVCacheShape, allocate_kv_cache, allocate_swap_space,
+                                      bind_kv_cache)
 from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
-from pagedllm.engine.swap import allocate_swap_tensor
-from pagedllm.engine.workers import (BlockMoves, StepChannel, StepInputs, TensorParallelError,
-                                     WorkerProcesses, acknowledge_exit, default_num_threads,
-                                     sigint_deferred)
-from pagedllm.layers.linear import LinearBase, PrepackedWeight, is_packed_for_pagedllm
-from pagedllm.layers.quantized import attach_q4_1
+from pagedllm.engine.tp.errors import TensorParallelError
+from pagedllm.engine.tp.processes import WorkerProcesses, default_num_threads, sigint_deferred
+from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs, acknowledge_exit
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
+from pagedllm.loader.model_loader import Q4_1Weights, build_model
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.registry import model_class
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def rank0_dist_info(tp: int) -> tuple[DistInfo, bool]:
-    """Rank 0's place in the group and whether it must spawn the other ranks itself
-    (not when torchrun or a similar launcher started every rank)."""
-    env = torchrun_env()
-    if env is not None and env.world_size > 1:
-        if env.world_size != tp:
-            raise ValueError(f"WORLD_SIZE={env.world_size} in the environment but "
-                             f"tensor_parallel_size={tp}; they must match")
-        return env, False
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT") or free_port())
-    return DistInfo(0, tp, 0, tp, addr, port), True
 
 
 class ModelRunner:
     faults: FaultInjector | None = None  # test-only, see engine/fault_injection.py
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 weights: "object", dist_info: DistInfo | None = None,
-                 q4_1_weights: "object | None" = None) -> None:
-        """dist_info is given to ranks > 0; rank 0 works it out (and spawns the others).
-        q4_1_weights (quantization="gguf"): ModelSource.q4_1_weights(), kept quantized."""
+                 weights: Iterable[tuple[str, torch.Tensor]], dist_info: DistInfo | None = None,
+                 q4_1_weights: Q4_1Weights | None = None,
+                 workers: WorkerProcesses | None = None) -> None:
+        """With tensor parallelism dist_info is this rank's place in the group, and rank 0
+        gets the worker processes it started (engine/tp/processes.py; empty under
+        torchrun). q4_1_weights (quantization="gguf"): ModelSource.q4_1_weights(), kept
+        quantized."""
         self.config = config
         self.model_config = model_config
         self.block_size = config.block_size
         self.dtype = config.torch_dtype
         self.generator = torch.Generator().manual_seed(config.seed)
         self.world_size = config.tensor_parallel_size
-        self.workers: WorkerProcesses | None = None
-        self.rank = dist_info.rank if dist_info is not None else 0
+        self.workers = workers
         self.broken = False
         self._shut_down = False
         info = dist_info or DistInfo(0, 1, 0, 1, "", 0)
-        if self.world_size > 1:
-            info = self._join_group(dist_info)
         self.rank = info.rank
         self.dist_info = info
+        if workers is not None:
+            atexit.register(self.shutdown)
+        if self.world_size > 1:
+            self._join_group(info)
         torch.set_num_threads(config.num_threads or default_num_threads(info.local_world_size))
         self.device = self._select_device(info)
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
+        self.decode_stack: CpuDecodeStack | None = None
         try:
             if self.world_size > 1:
                 self._check_same_dtype()
-            self._build_model(weights, q4_1_weights)
-            self.num_kvcache_blocks = self.allocate_kv_cache()
-            self.num_swap_blocks = self.allocate_swap_space()
-            if (self.device.type == "cuda" and not config.enforce_eager
-                    and self.attention_backend in ("triton", "flash")):
-                self.graphs = self._capture_decode_graphs()
+            self._load_model(weights, q4_1_weights)
+            self._allocate_kv_cache()
+            self._choose_executors()
         except BaseException as e:
             # A worker that died while loading shows up here as a failed collective.
             error = (self.workers.failure(e, "start-up") if self.workers is not None
@@ -111,30 +89,24 @@ class ModelRunner:
                 raise error from e
             raise
 
-    def _join_group(self, dist_info: DistInfo | None) -> DistInfo:
+    def _join_group(self, info: DistInfo) -> None:
         cfg = self.config
-        spawn = False
-        if dist_info is None:
-            dist_info, spawn = rank0_dist_info(self.world_size)
-            self.workers = WorkerProcesses(cfg, dist_info, spawn)
-            atexit.register(self.shutdown)
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         check_alive = self.workers.check_alive if self.workers is not None else None
         try:
-            init_distributed(dist_info, backend, cfg.distributed_timeout_seconds, check_alive)
+            init_distributed(info, backend, cfg.distributed_timeout_seconds, check_alive)
         except BaseException as e:
             if self.workers is not None:
                 self.broken = True
                 self.shutdown()
                 if isinstance(e, TensorParallelError):
                     raise
-                raise TensorParallelError(f"tensor-parallel rendezvous at {dist_info.master_addr}:"
-                                          f"{dist_info.master_port} failed: {e}") from e
+                raise TensorParallelError(f"tensor-parallel rendezvous at {info.master_addr}:"
+                                          f"{info.master_port} failed: {e}") from e
             raise
         self.channel = StepChannel(get_store())
-        logger.info("tensor parallel: rank %d of %d joined (%s)", dist_info.rank,
-                    dist_info.world_size, backend)
-        return dist_info
+        logger.info("tensor parallel: rank %d of %d joined (%s)", info.rank,
+                    info.world_size, backend)
 
     def _check_same_dtype(self) -> None:
         """Spawned ranks get rank 0's resolved dtype; ranks started separately (torchrun)
@@ -151,48 +123,12 @@ class ModelRunner:
         torch.cuda.set_device(device)
         return device
 
-    def _capture_decode_graphs(self) -> "object":
-        from pagedllm.engine.cuda_graph import DecodeGraphs  # CUDA only
-        cfg, mc = self.config, self.model_config
-        return DecodeGraphs(self.model, cfg.max_num_seqs, -(-cfg.max_model_len // self.block_size),
-                            mc.hidden_size, self.device, self.dtype)
-
-    def _build_model(self, weights: "object", q4_1_weights: "object | None" = None) -> None:
+    def _load_model(self, weights: Iterable[tuple[str, torch.Tensor]],
+                    q4_1_weights: Q4_1Weights | None) -> None:
         mc = self.model_config
         t = time.perf_counter()
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            if self.device.type == "cpu":
-                self.model = model_class(mc)(mc)
-            else:
-                with self.device:
-                    self.model = model_class(mc)(mc)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        self.model.load_weights(weights)  # type: ignore[attr-defined]
-        self.model.eval()
-        packed = sum(m.prepack() for m in self.model.modules() if isinstance(m, PrepackedWeight))
-        prepacked = [m for m in self.model.modules()
-                     if isinstance(m, PrepackedWeight) and m.packed_weight is not None]
-        ours = [m.packed_weight for m in prepacked if is_packed_for_pagedllm(m.packed_weight)]
-        if packed and self.rank == 0:
-            logger.info("weights also kept packed for bf16 matmuls (%d for pagedllm's kernel, "
-                        "%d for oneDNN): +%.0f MiB", len(ours), len(prepacked) - len(ours),
-                        packed / 2**20)
-        if q4_1_weights is not None:
-            self._keep_q4_1(q4_1_weights)
-            prepacked = [m for m in self.model.modules()
-                         if isinstance(m, PrepackedWeight) and m.packed_weight is not None]
-            ours = [m.packed_weight for m in prepacked if is_packed_for_pagedllm(m.packed_weight)]
-        if self.device.type == "cpu":
-            moved = memory.move_to_huge_pages(list(self.model.parameters()) + ours)
-            # oneDNN's packed copies (opaque tensors) hold as many bytes as the weights
-            moved += memory.collapse_to_huge_pages(
-                [(torch.ops.mkldnn.data_ptr(m.packed_weight), m.weight.nbytes)
-                 for m in prepacked if not is_packed_for_pagedllm(m.packed_weight)])
-            if moved and self.rank == 0:
-                logger.info("weights on 2 MiB pages: %.0f MiB", moved / 2**20)
+        self.model = build_model(mc, self.dtype, self.device, weights, q4_1_weights,
+                                 log=self.rank == 0)
         self.attention_backend = resolve_backend(self.config.attention_backend, self.device.type,
                                                  self.block_size, self.dtype)
         impl = load_backend(self.attention_backend).attention
@@ -204,120 +140,28 @@ class ModelRunner:
                         mc.name or mc.architecture, str(self.dtype).removeprefix("torch."),
                         mc.num_hidden_layers, time.perf_counter() - t, self.attention_backend)
 
-    def _keep_q4_1(self, q4_1_weights: "object") -> None:
-        """quantization="gguf": the linears whose GGUF weights are Q4_1 take them packed for
-        the Q4_1 kernel instead of their bf16 weights."""
-        from pagedllm.cpu_ops import load
-        ext = load()
-        if self.device.type != "cpu" or ext is None or not ext.has_packed_linear_bf16():
-            raise ValueError("quantization=gguf needs the CPU kernels built with AVX512-BF16 "
-                             "(this CPU or build has none)")
-        before = {m: m.packed_weight for m in self.model.modules() if isinstance(m, LinearBase)}
-        changed = attach_q4_1(self.model, q4_1_weights)  # type: ignore[arg-type]
-        if not changed:
-            raise ValueError("quantization=gguf: the model has no Q4_1 linear weights to keep "
-                             "(only GGUF Q4_1 is kept quantized; other types are dequantized)")
-        added = sum(m.packed_weight.nbytes for m in changed)
-        # their bf16 weights and bf16 packings are no longer read: freed (the weight an empty
-        # tensor of its dtype; linear() and decode_layers take the Q4_1 packing first)
-        freed = sum(m.weight.nbytes * (2 if before[m] is not None else 1) for m in changed)
-        for m in changed:
-            m.weight.data = torch.empty(0, dtype=m.weight.dtype)
-        # The bf16 LM head on pagedllm's packed kernel everywhere (with AMX it was packed for
-        # oneDNN): its fp32 logits, and the same kernel as on CPUs without AMX
-        head = getattr(self.model, "lm_head", None)
-        if (isinstance(head, PrepackedWeight) and head.weight.dtype == torch.bfloat16
-                and not is_packed_for_pagedllm(head.packed_weight)
-                and head.weight.shape[0] % 16 == 0 and head.weight.shape[1] % 2 == 0):
-            head.packed_weight = ext.pack_linear_weight_bf16(head.weight.detach())
-        if self.rank == 0:
-            logger.info("quantization gguf: %d of %d linears keep their Q4_1 weights (%.0f MiB, "
-                        "%.0f MiB of bf16 copies freed; the others stay %s)", len(changed),
-                        len(before), added / 2**20, freed / 2**20,
-                        str(self.dtype).removeprefix("torch."))
+    def _allocate_kv_cache(self) -> None:
+        self.kv_shape = KVCacheShape.of(self.config, self.model_config)
+        log = self.rank == 0
+        self.kv_cache = allocate_kv_cache(self.config, self.kv_shape, self.device,
+                                          self.dist_info.local_world_size, log)
+        bind_kv_cache(self.model, self.kv_cache)
+        self.num_kvcache_blocks = self.kv_cache.shape[2]
+        self.swap_cache = allocate_swap_space(self.config, self.kv_shape, self.kv_cache, log)
+        self.num_swap_blocks = 0 if self.swap_cache is None else self.swap_cache.shape[2]
 
-    # ---- KV cache -----------------------------------------------------------------------------
-
-    @property
-    def num_local_kv_heads(self) -> int:
-        """KV heads this rank holds: its share, or one replica when there are fewer heads
-        than ranks."""
-        return max(1, self.model_config.num_key_value_heads // self.world_size)
-
-    def kv_block_bytes(self) -> int:
-        mc = self.model_config
-        return (2 * mc.num_hidden_layers * self.block_size * self.num_local_kv_heads
-                * mc.head_dim * self.dtype.itemsize)
-
-    def kv_budget(self) -> tuple[int, str]:
-        """This rank's KV-cache bytes: an explicit budget is split among the ranks, a
-        fraction of RAM among the ranks that share this machine."""
-        cfg, info = self.config, self.dist_info
-        if cfg.kv_cache_memory_bytes is not None:
-            return cfg.kv_cache_memory_bytes // self.world_size, "--kv-cache-memory-bytes"
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * cfg.kv_cache_memory_fraction), \
-                f"{cfg.kv_cache_memory_fraction:.0%} of free GPU memory"
-        budget = int(available_memory_bytes() * cfg.kv_cache_memory_fraction)
-        return budget // info.local_world_size, f"{cfg.kv_cache_memory_fraction:.0%} of available RAM"
-
-    def allocate_kv_cache(self) -> int:
-        """One tensor [2, layers, blocks, block_size, local kv_heads, head_dim] within the
-        budget; every rank takes the smallest block count any rank can hold."""
-        cfg, mc = self.config, self.model_config
-        budget, source = self.kv_budget()
-        block_bytes = self.kv_block_bytes()
-        num_blocks = budget // block_bytes
-        # More than every sequence at full length can use is wasted memory.
-        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
-        num_blocks = all_reduce_min(min(num_blocks, cfg.max_num_seqs * blocks_per_seq))
-        if num_blocks < 1:
-            raise ValueError(f"KV-cache budget of {budget} bytes ({source}) is smaller than one "
-                             f"block of {block_bytes} bytes; raise the budget or lower block_size")
-        # Zeroed, not empty: attention reads padded / masked slots too, and a NaN left in
-        # uninitialised memory survives a zero softmax weight (0 * NaN = NaN).
-        shape = (2, mc.num_hidden_layers, num_blocks, self.block_size, self.num_local_kv_heads,
-                 mc.head_dim)
-        self.kv_cache = (memory.zeros(shape, self.dtype) if self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
-        layer = 0
-        for module in self.model.modules():
-            if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
-                module.k_cache = self.kv_cache[0, layer]
-                module.v_cache = self.kv_cache[1, layer]
-                layer += 1
-        if self.rank == 0:
-            logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s%s (budget: %s)",
-                        num_blocks, self.block_size, num_blocks * self.block_size,
-                        num_blocks * block_bytes / 2**20,
-                        " per rank" if self.world_size > 1 else "",
-                        " on 2 MiB pages" if self.device.type == "cpu"
-                        and memory.huge_pages_available() else "", source)
-        return num_blocks
-
-    def allocate_swap_space(self) -> int:
-        """The second-tier pool for swap preemption (engine/swap.py); none for recompute.
-        With tensor parallelism each rank holds its share of swap_space for its KV shard
-        (its own memory-mapped file); the block count is the same on every rank, as
-        config and block size are."""
+    def _choose_executors(self) -> None:
+        """Besides the model's forward: CUDA graphs of decode steps on CUDA, the one-call
+        decode stack on the CPU; neither with enforce_eager."""
         cfg = self.config
-        if cfg.preemption_mode != "swap":
-            self.swap_cache = None
-            return 0
-        block_bytes = self.kv_block_bytes()
-        num_blocks = int(cfg.swap_space * 2**30) // self.world_size // block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"swap_space of {cfg.swap_space} GiB is smaller than one KV block "
-                             f"({block_bytes * self.world_size} bytes)")
-        shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
-        self.swap_cache = allocate_swap_tensor(shape, self.dtype, self.kv_cache.device)
-        where = "memory-mapped file" if self.kv_cache.device.type == "cpu" else "host memory"
-        if self.rank == 0:
-            logger.info("swap space: %d blocks, %.1f MiB%s (%s)", num_blocks,
-                        num_blocks * block_bytes / 2**20,
-                        " per rank" if self.world_size > 1 else "", where)
-        return num_blocks
+        if cfg.enforce_eager:
+            return
+        if self.device.type == "cuda" and self.attention_backend in ("triton", "flash"):
+            self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs,
+                                       cdiv(cfg.max_model_len, self.block_size),
+                                       self.model_config.hidden_size, self.device, self.dtype)
+        elif self.device.type == "cpu" and self.attention_backend == "cpu_paged":
+            self.decode_stack = CpuDecodeStack.for_model(self.model, self.dtype)
 
     # ---- input preparation ----------------------------------------------------------------
 
@@ -366,14 +210,6 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables), seqlens_q=seqlens_q,
             seqlens_k=seqlens_k)
         return torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(pos)
-
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs computing every not yet computed token of each sequence (prompts)."""
-        return self.prepare_inputs(seqs, [seq.num_uncomputed_tokens for seq in seqs])
-
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs computing the newest token of each sequence."""
-        return self.prepare_inputs(seqs, [1] * len(seqs))
 
     def prepare_sample(self, seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBatch:
         params = [seq.sampling_params for seq in seqs]
@@ -490,20 +326,28 @@ class ModelRunner:
         their shard of the vocabulary)."""
         if self.device.type != "cpu":
             input_ids, positions = self._to_device(input_ids, positions)
-        ctx = get_context()
-        if (self.graphs is not None and not ctx.is_prefill
-                and input_ids.numel() <= self.graphs.max_batch_size):
-            hidden = self.graphs.run(input_ids, positions, ctx)
-        elif self._keeps_rows(logit_rows, input_ids.numel()):
+        if self._keeps_rows(logit_rows, input_ids.numel()):
             # only the sampled tokens' hidden states (the model skips the others' last layer)
             hidden = self.model(input_ids, positions, keep_rows=logit_rows.to(input_ids.device))
-            return self.model.compute_logits(hidden)  # type: ignore[attr-defined]
-        else:
-            hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden)  # type: ignore[operator]
+        hidden = self._forward(input_ids, positions)
         if not logit_rows.numel():
             return None
         hidden = hidden[logit_rows.to(hidden.device)]
-        return self.model.compute_logits(hidden)  # type: ignore[attr-defined]
+        return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of every token, by the executor this step takes: a
+        replayed CUDA graph or the CPU decode stack where one applies, else the model."""
+        ctx = get_context()
+        if (self.graphs is not None and not ctx.is_prefill
+                and input_ids.numel() <= self.graphs.max_batch_size):
+            return self.graphs.run(input_ids, positions, ctx)
+        if self.decode_stack is not None:
+            hidden = self.decode_stack.run(input_ids, positions, ctx)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions)
 
     def _keeps_rows(self, logit_rows: torch.Tensor, num_tokens: int) -> bool:
         """Whether the forward computes only the logit rows' last layer: where the model can

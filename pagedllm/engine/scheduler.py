@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.swap import SwapPool
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            needed = -(-(seq.num_computed_tokens + n) // bm.block_size)
+            needed = cdiv(seq.num_computed_tokens + n, bm.block_size)
             if bm.num_free_blocks < max(needed, len(seq.swap_table) + 1):
                 break
             self.swapped.popleft()

@@ -7,6 +7,7 @@ from itertools import count
 import torch
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
 
 
 class SequenceStatus(Enum):
@@ -101,16 +102,8 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens > 1
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
     def num_blocks(self) -> int:
-        return (len(self.token_ids) + self.block_size - 1) // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return len(self.token_ids) - (self.num_blocks - 1) * self.block_size
+        return cdiv(len(self.token_ids), self.block_size)
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block i."""

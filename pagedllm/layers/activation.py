@@ -2,17 +2,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from pagedllm import cpu_ops
+from pagedllm.kernels import ops
+from pagedllm.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """silu(gate) * up for a merged [..., 2 * intermediate] gate/up projection."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = cpu_ops.for_tensor(x) if x.dim() == 2 and x.stride(-1) == 1 else None
-        if ext is not None:  # one fused C++ loop
-            return ext.silu_and_mul(x)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The same in one fused C++ loop."""
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return self.forward_native(x)
+        return ops.silu_and_mul(x)

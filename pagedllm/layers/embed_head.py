@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
-from pagedllm.layers.linear import PrepackedWeight, linear
+from pagedllm.layers.linear import LinearLayer
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,14 +34,14 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-class ParallelLMHead(PrepackedWeight, VocabParallelEmbedding):
+class ParallelLMHead(LinearLayer, VocabParallelEmbedding):
     """Logits for the rows given; with several ranks the vocabulary slices are gathered
     on rank 0 (the others return None)."""
 
+    fp32_out = True  # where pagedllm's bf16 kernel computes them (see PackedBf16LinearMethod)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        # fp32 logits where pagedllm's bf16 kernel computes them: rounded to bf16 (a step of
-        # 1/16 at 16), near-equal top tokens would tie and the first index win
-        logits = linear(hidden, self.weight, packed=self.packed_weight, fp32_out=True)
+        logits = self.linear_method.apply(self, hidden)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm import cpu_ops
+from pagedllm.kernels import ops
+from pagedllm.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -19,16 +20,20 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual)."""
-        ext = cpu_ops.for_tensor(x) if x.dim() == 2 and x.stride(-1) == 1 else None
-        if ext is not None and self.weight.dtype == x.dtype:  # one fused C++ loop
-            if residual is None:
-                return ext.rms_norm(x, None, self.weight, self.eps)[0]
-            out, residual = ext.rms_norm(x, residual, self.weight, self.eps)
-            return out, residual
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The same in one fused C++ loop."""
+        if x.dim() != 2 or x.stride(-1) != 1 or self.weight.dtype != x.dtype:
+            return self.forward_native(x, residual)
+        if residual is None:
+            return ops.rms_norm(x, None, self.weight, self.eps)[0]
+        out, residual = ops.rms_norm(x, residual, self.weight, self.eps)
+        return out, residual

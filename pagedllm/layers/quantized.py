@@ -8,16 +8,38 @@ dequantize), reading 5 bits a weight where bf16 weights take 16: one decode row 
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import LinearBase, is_q4_1  # noqa: F401 (is_q4_1: re-exported)
+from pagedllm.kernels import ops, probes
+from pagedllm.layers.linear import LinearBase, LinearLayer
+from pagedllm.layers.linear_methods import LinearMethod, PackedBf16LinearMethod
+
+logger = logging.getLogger(__name__)
 
 BLOCK = 32          # input features per Q4_1 block
 PANEL_GROUPS = 4    # output groups of 16 side by side in the packed layout
 BLOCK_BYTES = 320   # one group's block: 256 bytes of quants, 16 d, 16 m (float16)
+
+
+class GGUFQ4_1LinearMethod(LinearMethod):
+    """x w^T from the packed Q4_1 weight (layer.packed_weight, set by attach_q4_1) at every
+    row count; the layer's bf16 weight is freed."""
+
+    owns_packing = True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        y = ops.q4_1_linear_bf16(x, layer.packed_weight)
+        return y if bias is None else y + bias
+
+
+def is_q4_1(packed: torch.Tensor | None) -> bool:
+    """Whether a packed weight is a GGUF Q4_1 weight (pack_q4_1's uint8 layout)."""
+    return packed is not None and packed.dtype == torch.uint8
 
 
 def can_pack_q4_1(out_features: int, in_features: int) -> bool:
@@ -55,7 +77,7 @@ def attach_q4_1(model: nn.Module,
                 weights: Iterable[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
                 ) -> list[LinearBase]:
     """Give each linear whose checkpoint weights are all Q4_1 (merged ones: every shard) the
-    packed Q4_1 weight as its packed_weight, in place of a bf16 copy; the linears changed.
+    packed Q4_1 weight as its packed_weight and the Q4_1 method; the linears changed.
 
     weights: (HF name, (q, d, m)) from ModelSource.q4_1_weights(), copied into place by the
     linear's own weight_loader (the same rows as its bf16 weight)."""
@@ -85,5 +107,36 @@ def attach_q4_1(model: nn.Module,
         n, k = module.weight.shape
         if rows == n and module.tp_size == 1 and can_pack_q4_1(n, k):
             module.packed_weight = pack_q4_1(q, d, m)
+            module.linear_method = GGUFQ4_1LinearMethod()
             changed.append(module)
     return changed
+
+
+def keep_q4_1(model: nn.Module,
+              weights: Iterable[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+              ) -> None:
+    """quantization="gguf": the linears whose GGUF weights are Q4_1 compute from them, kept
+    quantized, and their bf16 weights and packings are freed; the bf16 LM head takes
+    pagedllm's packed kernel everywhere (with AMX it was packed for oneDNN), for its fp32
+    logits and the same kernel as on CPUs without AMX."""
+    if not probes.has_packed_linear():
+        raise ValueError("quantization=gguf needs the CPU kernels built with AVX512-BF16 "
+                         "(this CPU or build has none)")
+    before = {m: m.packed_weight for m in model.modules() if isinstance(m, LinearBase)}
+    changed = attach_q4_1(model, weights)
+    if not changed:
+        raise ValueError("quantization=gguf: the model has no Q4_1 linear weights to keep "
+                         "(only GGUF Q4_1 is kept quantized; other types are dequantized)")
+    added = sum(m.packed_weight.nbytes for m in changed)
+    freed = sum(m.weight.nbytes * (2 if before[m] is not None else 1) for m in changed)
+    for m in changed:  # an empty tensor of its dtype: the Q4_1 method never reads it
+        m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+    head = getattr(model, "lm_head", None)
+    if (isinstance(head, LinearLayer) and head.weight.dtype == torch.bfloat16
+            and not isinstance(head.linear_method, PackedBf16LinearMethod)
+            and PackedBf16LinearMethod.can_pack(head.weight)):
+        head.linear_method = PackedBf16LinearMethod(fp32_out=True)
+        head.linear_method.process_weights_after_loading(head)
+    logger.info("quantization gguf: %d of %d linears keep their Q4_1 weights (%.0f MiB, "
+                "%.0f MiB of bf16 copies freed)", len(changed), len(before), added / 2**20,
+                freed / 2**20)

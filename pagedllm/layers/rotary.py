@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm import cpu_ops
+from pagedllm.kernels import ops
+from pagedllm.layers.custom_op import uses_cpu_kernels
 
 
 def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -53,6 +54,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        # chosen once: an instance attribute, no per-call check
+        self.rotate = self.rotate_cpu if uses_cpu_kernels() else self.rotate_native
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +68,17 @@ class RotaryEmbedding(nn.Module):
             memo = self._memo = (positions, dtype, cos, sin)
         return memo[2], memo[3]
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by its positions [T] (q and k heads may come together).
-        On CPU the C++ kernel rotates x in place (x is a view of this step's qkv output)."""
-        ext = cpu_ops.for_tensor(x) if x.stride(-1) == 1 else None
-        if ext is not None:
-            ext.rotary_embedding(positions, x, self.cos_cache, self.sin_cache)
-            return x
+    def rotate_native(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by its positions [T] (q and k heads may come together)."""
         cos, sin = self.cos_sin(positions, x.dtype)
         return x * cos + rotate_half(x) * sin
+
+    def rotate_cpu(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The same by the C++ kernel, in place (x is a view of this step's qkv output)."""
+        if x.stride(-1) != 1:
+            return self.rotate_native(positions, x)
+        ops.rotary_embedding(positions, x, self.cos_cache, self.sin_cache)
+        return x
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm import cpu_ops
+from pagedllm.kernels import ops, probes
 from pagedllm.outputs import TokenLogprobs
 
 
@@ -105,8 +105,9 @@ def _exponential_noise(shape: tuple[int, int], generators: list[torch.Generator 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest index (torch.argmax's answer, faster on CPU)."""
-    ext = cpu_ops.for_tensor(logits) if logits.stride(-1) == 1 else None
-    return ext.argmax_rows(logits) if ext is not None else logits.argmax(-1)
+    if logits.is_cpu and logits.stride(-1) == 1 and probes.available():
+        return ops.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:

@@ -24,6 +24,8 @@ import struct
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from pagedllm.utils import cdiv
+
 from .errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -125,7 +127,7 @@ def _scan(r: _Reader) -> None:
         raise r.fail(f"tensor count {tensor_count} cannot fit in the file")
     alignment = _scan_metadata(r, kv_count)
     tensors = _scan_tensor_infos(r, tensor_count, alignment)
-    data_start = -(-r.pos // alignment) * alignment
+    data_start = cdiv(r.pos, alignment) * alignment
     _check_tensor_data(r, tensors, data_start)
 
 

@@ -3,6 +3,8 @@
 Inside a layer, submodules are run through .forward(): nn.Module.__call__'s hook handling
 costs about 1 ms of a 16 ms single-stream decode step (12 calls x 30 layers, measured), and
 no hooks are set on them. Layers themselves are called normally (fault injection hooks one).
+On the CPU a bf16 decode step may instead run these layers as one C++ call
+(engine/cpu_decode_stack.py), with the same kernels in the same order.
 """
 from __future__ import annotations
 
@@ -11,17 +13,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from pagedllm import cpu_ops
-from pagedllm.attention import cpu_paged
-from pagedllm.attention.context import get_context
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import (LinearBase,
-                                    MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear, amx_linear_rows, gate_up_silu, is_q4_1,
-                                    small_linear_rows)
+from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                    RowParallelLinear)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 
@@ -85,10 +82,7 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = gate_up_silu(x, self.gate_up_proj)
-        if h is None:
-            h = self.act_fn.forward(self.gate_up_proj.forward(x))
-        return self.down_proj.forward(h)
+        return self.down_proj.forward(self.gate_up_proj.silu_and_mul(x, self.act_fn))
 
 
 class DecoderLayer(nn.Module):
@@ -114,63 +108,6 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(x), residual
 
 
-def _hooked(layer: nn.Module) -> bool:
-    """Whether a forward (pre-)hook sits on the layer: the one-call stack would skip it."""
-    return bool(layer._forward_pre_hooks or layer._forward_hooks)
-
-
-class _FusedStack:
-    """The one-call decode stack's per-model arguments: each layer's norms and linear weights
-    (plain and packed), the final norm, the KV caches; with what they were taken from, to
-    check them each step by identity. all_packed: every linear has a packed copy (without
-    one, a linear can only take the weight-streaming kernel: up to small_linear_rows())."""
-
-    def __init__(self, layers: list[DecoderLayer], linears: list[LinearBase],
-                 weights: list[torch.Tensor], attns: list[Attention]) -> None:
-        self.layers, self.linears, self.weights, self.attns = layers, linears, weights, attns
-        self.packed = [m.packed_weight for m in linears]
-        self.all_packed = all(w is not None for w in self.packed)
-        self.k_caches = [a.k_cache for a in attns]
-        self.v_caches = [a.v_cache for a in attns]
-
-    def current(self) -> bool:
-        """Nothing hooks a layer, and the caches and packed weights are those gathered."""
-        return (not any(_hooked(layer) for layer in self.layers)
-                and all(a.k_cache is k and a.v_cache is v
-                        for a, k, v in zip(self.attns, self.k_caches, self.v_caches))
-                and all(m.packed_weight is w for m, w in zip(self.linears, self.packed)))
-
-    @staticmethod
-    def gather(model: DecoderModel) -> _FusedStack | None:
-        """The arguments, or None where the one-call stack does not apply."""
-        layers, linears, weights, attns = list(model.layers), [], [], []
-        for layer in layers:
-            if type(layer) is not DecoderLayer or _hooked(layer):
-                return None
-            attn, mlp = layer.self_attn, layer.mlp
-            if (attn.q_norm is not None or attn.qkv_proj.bias is not None
-                    or attn.o_proj.bias is not None or attn.qkv_proj.tp_size != 1
-                    or attn.attn.impl is not cpu_paged.attention or not attn.attn.k_cache.numel()):
-                return None
-            layer_linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(not m.weight.is_contiguous() for m in layer_linears):
-                return None
-            # each linear's weight and its packed copy, or the weight again where there is
-            # none (decode_layers takes the plain one for few rows unless the copy is
-            # pagedllm's: see layers/linear.py)
-            qkv, o, gate_up, down = ((m.weight, m.weight if m.packed_weight is None
-                                      else m.packed_weight) for m in layer_linears)
-            weights += [layer.input_layernorm.weight, *qkv, *o,
-                        layer.post_attention_layernorm.weight, *gate_up, *down]
-            linears += layer_linears
-            attns.append(attn.attn)
-        weights.append(model.norm.weight)
-        # (a GGUF Q4_1 weight kept quantized is packed as uint8: decode_layers takes it too)
-        if not all(w.dtype == torch.bfloat16 or is_q4_1(w) for w in weights):
-            return None
-        return _FusedStack(layers, linears, weights, attns)
-
-
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
@@ -182,7 +119,6 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._fused_stack: _FusedStack | None = None  # the one-call decode stack's arguments
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,58 +127,11 @@ class DecoderModel(nn.Module):
         (every token's k and v are still cached), as llama.cpp does for the tokens whose
         logits are not needed."""
         x, residual = self.embed_tokens.forward(input_ids), None
-        if x.is_cpu and x.dtype == torch.bfloat16 and keep_rows is None:
-            fused = self._fused_decode(x, positions)
-            if fused is not None:
-                return fused
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):  # a call: fault injection hooks layers
             x, residual = layer(positions, x, residual, keep_rows if i == last else None)
         x, _ = self.norm.forward(x, residual)
         return x
-
-    def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """A bf16 decode step on CPU as one C++ call (csrc/decode_stack.cpp, the same kernels
-        in the same order as the loop in forward, so the same results), when every layer is
-        a plain Llama layer (no q/k norms, biases or tensor parallelism) on the CPU
-        paged-attention backend, nothing hooks a layer, the weights are prepacked where
-        more than small_linear_rows() rows need them, and a cascade step (if
-        any) has one prefix shared by all rows and pagedllm's attention kernel; otherwise None.
-        Its per-model arguments are gathered once (_FusedStack, ~0.65 ms) and checked each
-        step by identity (~12 us), so a hook added, a cache bound or a weight repacked since
-        is seen."""
-        ctx = get_context()
-        ext = cpu_ops.load()
-        if (ctx.is_prefill or ctx.block_tables is None or ext is None
-                or not ext.has_small_linear_bf16() or torch.nn.modules.module._global_forward_hooks
-                or torch.nn.modules.module._global_forward_pre_hooks):
-            return None
-        stack = self._fused_stack
-        if stack is None or not stack.current():
-            stack = _FusedStack.gather(self)
-            if stack is None:  # (the last stack gathered stays, to be checked next step)
-                return None
-            self._fused_stack = stack
-        if not stack.all_packed and x.shape[0] > small_linear_rows():
-            return None
-        weights, k_caches, v_caches = stack.weights, stack.k_caches, stack.v_caches
-        first = self.layers[0].self_attn
-        plan = cpu_paged.decode_plan(ctx, x.shape[0], k_caches[0].shape[1])
-        prefix_blocks, prefix_first = None, -1
-        if plan.prefixes:  # cascade: one prefix shared by every row, on the attention kernel
-            if (len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None
-                    or not cpu_paged.attention_kernel(torch.bfloat16, first.head_dim)):
-                return None
-            prefix = plan.prefixes[0]
-            prefix_blocks = prefix.blocks
-            if isinstance(prefix.cache_index, slice):  # adjacent blocks: a view of the cache
-                prefix_first = prefix.cache_index.start
-        rotary = first.rotary_emb
-        return ext.decode_layers(x, positions, weights, k_caches, v_caches, rotary.cos_cache,
-                                 rotary.sin_cache, ctx.slot_mapping, plan.tables, plan.q_starts,
-                                 plan.q_lens, plan.k_lens, first.num_heads, first.num_kv_heads,
-                                 self.norm.eps, first.attn.scale, small_linear_rows(),
-                                 amx_linear_rows(), prefix_blocks, prefix_first)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -8,7 +8,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.layers.linear import small_linear_rows
+from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
+from pagedllm.kernels import build, probes
 
 NEW_TOKENS = 24
 PROMPTS = [
@@ -88,40 +89,48 @@ def test_bf16_greedy_close_to_hf_bf16(llm, hf_bf16):
     assert agreed >= len(PROMPTS) * NEW_TOKENS // 2, agreed
 
 
+def counting_stack_steps(monkeypatch) -> dict[str, int]:
+    """Count the decode steps the one-call stack runs (CpuDecodeStack.run returning hidden
+    states), in counts["stack"]."""
+    counts = {"stack": 0}
+    run = CpuDecodeStack.run
+
+    def counting(self, input_ids, positions, ctx):
+        out = run(self, input_ids, positions, ctx)
+        counts["stack"] += out is not None
+        return out
+
+    monkeypatch.setattr(CpuDecodeStack, "run", counting)
+    return counts
+
+
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkeypatch):
     """bf16 decode steps run the whole layer stack as one C++ call
-    (DecoderModel._fused_decode): the same kernels in the same order (pagedllm's packed
+    (engine/cpu_decode_stack.py): the same kernels in the same order (pagedllm's packed
     linear at every row count where the CPU has AVX512-BF16 and no AMX; else the
     weight-streaming linear up to small_linear_rows() rows, oneDNN's beyond), so the same
-    tokens and logprobs as the per-op forward, bit for bit. (Prefix caching is off: a cached
-    prompt takes another bf16 rounding path in prefill, on either side.)"""
-    from pagedllm import cpu_ops
-    from pagedllm.models import llama
+    tokens and logprobs as the per-op forward (enforce_eager=True), bit for bit. (Prefix
+    caching is off: a cached prompt takes another bf16 rounding path in prefill, on either
+    side.)"""
     if not torch.cpu._is_avx512_bf16_supported():
         pytest.skip("the fused decode stack needs a CPU with AVX512-BF16")
-    assert cpu_ops.load() is not None, cpu_ops.load_error  # a build failure fails the test
+    assert build.load() is not None, build.load_error  # a build failure fails the test
     llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
               enable_prefix_caching=False)
-    small = small_linear_rows()
+    eager = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
+                enable_prefix_caching=False, enforce_eager=True)
+    assert eager.engine.model_runner.decode_stack is None
+    small = probes.small_linear_rows()
     lengths = [15, 16, 17, 40, 3, 33, 64] * 3  # around block boundaries
     prompts = [[1000 + 37 * i + j for j in range(length)] for i, length in enumerate(lengths)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
-    fused_calls = 0
-    fused = llama.DecoderModel._fused_decode
-
-    def counting(self, x, positions):
-        nonlocal fused_calls
-        out = fused(self, x, positions)
-        fused_calls += out is not None
-        return out
-
+    counts = counting_stack_steps(monkeypatch)
     for rows in (1, small, small + 1):  # each kernel of the linears
-        monkeypatch.setattr(llama.DecoderModel, "_fused_decode", counting)
-        fused_calls = 0
+        counts["stack"] = 0
         ours = llm.generate(prompts[:rows], params, use_tqdm=False)
-        assert fused_calls == 19  # every decode step (the first token comes from the prefill)
-        monkeypatch.setattr(llama.DecoderModel, "_fused_decode", lambda self, x, positions: None)
-        per_op = llm.generate(prompts[:rows], params, use_tqdm=False)
+        assert counts["stack"] == 19  # every decode step (the first token comes from the prefill)
+        per_op = eager.generate(prompts[:rows], params, use_tqdm=False)
+        assert counts["stack"] == 19
         for a, b in zip(ours, per_op):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
@@ -132,15 +141,15 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
     a forward hook put on one layer sends the decode steps back to the per-op forward (the
     hook runs in every step) and, removed, lets the same gathered stack take them again; a
     layer's KV cache rebound to another tensor makes the stack gather anew, with it."""
-    from pagedllm import cpu_ops
     if not torch.cpu._is_avx512_bf16_supported():
         pytest.skip("the fused decode stack needs a CPU with AVX512-BF16")
-    assert cpu_ops.load() is not None, cpu_ops.load_error
+    assert build.load() is not None, build.load_error
+    executor = llm.engine.model_runner.decode_stack
     model = llm.engine.model_runner.model.model
     prompt = [[1000 + 7 * j for j in range(20)]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    stack = model._fused_stack
+    stack = executor.args
     assert stack is not None  # the decode steps took the one-call stack
     calls = 0
 
@@ -155,7 +164,7 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
         handle.remove()
     assert calls == 6  # the prefill and all 5 decode steps ran layer 17 as a module
     again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    assert model._fused_stack is stack
+    assert executor.args is stack
     assert hooked == first and again == first
     attn = model.layers[3].self_attn.attn
     cache = attn.k_cache
@@ -163,7 +172,7 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
     try:
         assert not stack.current()
         rebound = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-        assert model._fused_stack.k_caches[3] is attn.k_cache
+        assert executor.args.k_caches[3] is attn.k_cache
     finally:
         attn.k_cache = cache
     assert rebound == first
@@ -172,25 +181,19 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
 def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_results(monkeypatch):
     """Rows sharing a cached 320-token prefix decode with cascade attention; the one-call
     stack then runs the prefix part too (the same attention kernel as cpu_paged's, merged by the
-    paged kernel): tokens and logprobs equal the per-op forward's, both when the prefix's
-    blocks are adjacent (a view of the cache) and when they are taken as a copy. Each run
-    has an engine of its own, so all prefill alike (prefix caching on)."""
-    from pagedllm import cpu_ops
+    paged kernel): tokens and logprobs equal the per-op forward's (enforce_eager=True), both
+    when the prefix's blocks are adjacent (a view of the cache) and when they are taken as a
+    copy. Each run has an engine of its own, so all prefill alike (prefix caching on)."""
     from pagedllm.attention import cpu_paged
-    from pagedllm.models import llama
-    assert cpu_ops.load() is not None, cpu_ops.load_error
+    assert build.load() is not None, build.load_error
     if not cpu_paged.attention_kernel(torch.bfloat16, 64):
         pytest.skip("cascade steps take the one-call stack only with the attention kernel (AVX512-BF16)")
     prefix = [2000 + (7 * j) % 5000 for j in range(320)]
     prompts = [prefix + [100 + 11 * i + j for j in range(5 + 3 * i)] for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    counts = {"fused": 0, "cascade": 0}
-    fused, plan = llama.DecoderModel._fused_decode, cpu_paged.decode_plan
-
-    def counting_fused(self, x, positions):
-        out = fused(self, x, positions)
-        counts["fused"] += out is not None
-        return out
+    counts = counting_stack_steps(monkeypatch)
+    counts["cascade"] = 0
+    plan = cpu_paged.decode_plan
 
     def counting_plan(ctx, n, block_size):
         result = plan(ctx, n, block_size)
@@ -203,15 +206,14 @@ def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_res
         if mode == "fused_copied":  # the prefix's blocks as if they were not adjacent
             monkeypatch.setattr(cpu_paged.SharedPrefix, "cache_index",
                                 property(lambda self: self.blocks))
-        monkeypatch.setattr(llama.DecoderModel, "_fused_decode",
-                            lambda self, x, positions: None if mode == "per_op" else
-                            counting_fused(self, x, positions))
         llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
-                  enable_prefix_caching=True)
-        counts.update(fused=0, cascade=0)
+                  enable_prefix_caching=True, enforce_eager=mode == "per_op")
+        counts.update(stack=0, cascade=0)
         results[mode] = llm.generate(prompts, params, use_tqdm=False)
         if mode != "per_op":
-            assert counts["fused"] == 11 and counts["cascade"] >= 11, counts
+            assert counts["stack"] == 11 and counts["cascade"] >= 11, counts
+        else:
+            assert counts["stack"] == 0
         del llm
     for mode in ("fused", "fused_copied"):
         for a, b in zip(results[mode], results["per_op"]):

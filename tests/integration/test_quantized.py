@@ -41,12 +41,12 @@ def test_every_linear_holds_only_its_q4_1_weight_and_the_head_stays_bf16(llm):
 
 
 def test_where_amx_would_pack_for_onednn_the_head_still_takes_pagedllms_kernel(monkeypatch):
-    """On an AMX CPU prepack_weight packs for oneDNN (bf16 logits); with quantized weights
+    """On an AMX CPU bf16 weights are packed for oneDNN (bf16 logits); with quantized weights
     the head is repacked for pagedllm's kernel, so its logits are fp32 there too."""
-    from pagedllm.layers import linear as linear_mod
-    monkeypatch.setattr(linear_mod, "amx_linear_rows", lambda: 32)  # prepack as with AMX
-    assert not linear_mod.is_packed_for_pagedllm(
-        linear_mod.prepack_weight(torch.randn(64, 64).bfloat16()))
+    from pagedllm.kernels import probes
+    from pagedllm.layers.linear_methods import OneDNNLinearMethod, select_linear_method
+    monkeypatch.setattr(probes, "amx_linear_rows", lambda: 32)  # prepack as with AMX
+    assert isinstance(select_linear_method(torch.randn(64, 64).bfloat16()), OneDNNLinearMethod)
     llm = LLM(quantization="gguf", kv_cache_memory_bytes=32 * 2**20, max_model_len=256,
               enable_prefix_caching=False)
     model = llm.engine.model_runner.model
@@ -92,29 +92,31 @@ def test_chat_answers_paris(llm):
 
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, monkeypatch):
     """Decode steps take the one-call stack with the Q4_1 weights too (every row count: one-row
-    tiles up to 3 rows, 4-row tiles beyond), with the per-op forward's results bit for bit;
-    and batching does not change a sequence's tokens."""
-    from pagedllm.models import llama
+    tiles up to 3 rows, 4-row tiles beyond), with the per-op forward's results
+    (enforce_eager=True) bit for bit; and batching does not change a sequence's tokens."""
+    from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
+    eager = LLM(quantization="gguf", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
+                enable_prefix_caching=False, enforce_eager=True)
     lengths = [15, 16, 17, 40, 3, 33, 64]
     prompts = [[1000 + 37 * i + j for j in range(length)] for i, length in enumerate(lengths)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    fused = llama.DecoderModel._fused_decode
+    run = CpuDecodeStack.run
     calls = 0
 
-    def counting(self, x, positions):
+    def counting(self, input_ids, positions, ctx):
         nonlocal calls
-        out = fused(self, x, positions)
+        out = run(self, input_ids, positions, ctx)
         calls += out is not None
         return out
 
+    monkeypatch.setattr(CpuDecodeStack, "run", counting)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:3]]
     for rows in (1, 3, 7):
-        monkeypatch.setattr(llama.DecoderModel, "_fused_decode", counting)
         calls = 0
         ours = llm.generate(prompts[:rows], params, use_tqdm=False)
         assert calls == 11
-        monkeypatch.setattr(llama.DecoderModel, "_fused_decode", lambda self, x, positions: None)
-        per_op = llm.generate(prompts[:rows], params, use_tqdm=False)
+        per_op = eager.generate(prompts[:rows], params, use_tqdm=False)
+        assert calls == 11
         for a, b in zip(ours, per_op):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -45,10 +45,10 @@ def engine_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     engine = llm.engine
     bm, runner = engine.scheduler.block_manager, engine.model_runner
     seq = Sequence(token_ids, SamplingParams(), engine.config.block_size)
-    bm.allocate(seq)
+    bm.allocate_slots(seq, len(seq) - bm.num_reusable_tokens(seq))
     try:
         with torch.inference_mode():
-            input_ids, positions = runner.prepare_prefill([seq])
+            input_ids, positions = runner.prepare_inputs([seq], [seq.num_uncomputed_tokens])
             assert get_context().is_prefill
             logits = runner.model.compute_logits(runner.model(input_ids, positions))
     finally:

@@ -10,6 +10,17 @@ from pagedllm.sampling_params import SamplingParams
 BS = 4
 
 
+def can_allocate(bm: BlockManager, seq: Sequence) -> bool:
+    """Whether a sequence without blocks can get all its tokens at once."""
+    return bm.can_allocate_slots(seq, len(seq) - bm.num_reusable_tokens(seq))
+
+
+def allocate(bm: BlockManager, seq: Sequence) -> list[tuple[int, int]]:
+    """Blocks for all tokens of a sequence without blocks (an unchunked prefill)."""
+    assert not seq.block_table, f"{seq} already holds blocks"
+    return bm.allocate_slots(seq, len(seq) - bm.num_reusable_tokens(seq))
+
+
 def make_seq(tokens: list[int]) -> Sequence:
     return Sequence(tokens, SamplingParams(), BS)
 
@@ -17,8 +28,8 @@ def make_seq(tokens: list[int]) -> Sequence:
 def test_allocate_and_free_returns_every_block():
     bm = BlockManager(8, BS)
     seq = make_seq(list(range(10)))  # 3 blocks: 4 + 4 + 2
-    assert bm.can_allocate(seq)
-    bm.allocate(seq)
+    assert can_allocate(bm, seq)
+    allocate(bm, seq)
     assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
     assert [bm.blocks[b].ref_count for b in seq.block_table] == [1, 1, 1]
     bm.check_invariants([seq])
@@ -31,8 +42,8 @@ def test_shared_prefix_is_reused_with_ref_counts():
     bm = BlockManager(16, BS)
     a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
     b = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 42, 43])
-    bm.allocate(a)
-    bm.allocate(b)
+    allocate(bm, a)
+    allocate(bm, b)
     assert b.block_table[:2] == a.block_table[:2]
     assert b.num_cached_tokens == 8
     assert [bm.blocks[x].ref_count for x in a.block_table[:2]] == [2, 2]
@@ -47,11 +58,11 @@ def test_full_prompt_hit_still_computes_last_token():
     """nano-vllm #144 / #199: a prompt that is entirely cached must still run its last token."""
     bm = BlockManager(16, BS)
     a = make_seq(list(range(8)))  # exactly two full blocks
-    bm.allocate(a)
+    allocate(bm, a)
     a_table = list(a.block_table)
     bm.deallocate(a)
     b = make_seq(list(range(8)))
-    bm.allocate(b)
+    allocate(bm, b)
     assert b.num_cached_tokens == 4, "the block holding the last token must be recomputed"
     assert b.block_table[0] == a_table[0]
     assert b.block_table[1] != a_table[1]
@@ -61,12 +72,12 @@ def test_full_prompt_hit_still_computes_last_token():
 def test_freed_blocks_stay_cached_and_are_revived():
     bm = BlockManager(8, BS)
     a = make_seq(list(range(9)))
-    bm.allocate(a)
+    allocate(bm, a)
     first_two = list(a.block_table[:2])
     bm.deallocate(a)
     assert bm.num_cached_free_blocks == 2
     b = make_seq(list(range(9)))
-    bm.allocate(b)
+    allocate(bm, b)
     assert b.block_table[:2] == first_two and b.num_cached_tokens == 8
     assert bm.num_hit_tokens == 8
 
@@ -74,7 +85,7 @@ def test_freed_blocks_stay_cached_and_are_revived():
 def test_hash_collision_is_rejected_by_token_check():
     bm = BlockManager(8, BS)
     a = make_seq([1, 2, 3, 4, 5])
-    bm.allocate(a)
+    allocate(bm, a)
     # Forge an index entry: the hash of other tokens pointing at a's first block.
     forged = compute_hash([9, 9, 9, 9])
     bm.hash_to_block_id[forged] = a.block_table[0]
@@ -86,13 +97,13 @@ def test_hash_collision_is_rejected_by_token_check():
 def test_lru_evicts_least_recently_freed_and_tail_first():
     bm = BlockManager(4, BS)
     a = make_seq(list(range(9)))        # blocks: 2 full + 1 partial
-    bm.allocate(a)
+    allocate(bm, a)
     table = list(a.block_table)
     bm.deallocate(a)                    # freed tail first: table[2], table[1], table[0]
     order = list(bm.free_block_ids)
     assert order[-3:] == [table[2], table[1], table[0]]
     c = make_seq([100, 101, 102, 103, 104, 105, 106, 107, 108])  # needs 3 fresh blocks
-    bm.allocate(c)
+    allocate(bm, c)
     # the never-used block goes first, then a's tail; a's first block survives
     assert table[0] not in c.block_table
     d = make_seq(list(range(5)))
@@ -107,7 +118,7 @@ def compute(seq: Sequence, n: int) -> None:
 def test_decode_slots_allocate_at_block_boundary_and_hash_full_blocks():
     bm = BlockManager(8, BS)
     seq = make_seq([1, 2, 3])
-    bm.allocate(seq)
+    allocate(bm, seq)
     compute(seq, 3)
     seq.append_token(4)                # fills block 0
     assert bm.allocate_slots(seq, 1) == []
@@ -143,7 +154,7 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_last_block():
     """Seed 001: "Four score and seven years ago our" -> "fathers" / "mothers"."""
     bm = BlockManager(8, BS)
     parent = make_seq([1, 2, 3, 4, 5, 6])          # block 0 full, block 1 holds 2 tokens
-    bm.allocate(parent)
+    allocate(bm, parent)
     compute(parent, 6)
     child = parent.fork()
     bm.fork(parent, child)
@@ -171,8 +182,8 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_last_block():
 def test_prefix_caching_off_never_shares():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     a, b = make_seq(list(range(9))), make_seq(list(range(9)))
-    bm.allocate(a)
-    bm.allocate(b)
+    allocate(bm, a)
+    allocate(bm, b)
     assert not set(a.block_table) & set(b.block_table)
     assert all(blk.hash == -1 for blk in bm.blocks)
 
@@ -242,20 +253,20 @@ def test_random_operations_keep_block_accounting(operations):
 def test_lru_eviction_order_follows_last_use_and_hit_rate_counts_tokens():
     bm = BlockManager(4, BS)
     a, b = make_seq(list(range(5))), make_seq(list(range(100, 105)))  # 1 full block + 1 partial
-    bm.allocate(a)
-    bm.allocate(b)
+    allocate(bm, a)
+    allocate(bm, b)
     a_full, b_full = a.block_table[0], b.block_table[0]
     bm.deallocate(a)
     bm.deallocate(b)                    # free list: ..., a tail, a_full, b tail, b_full
     assert bm.num_cached_free_blocks == 2 and bm.hit_rate == 0.0
     again = make_seq(list(range(5)))    # revives a_full: a is now the most recently used
-    bm.allocate(again)
+    allocate(bm, again)
     assert again.block_table[0] == a_full and bm.hit_rate == 4 / 12
     bm.deallocate(again)
     assert list(bm.free_block_ids)[-1] == a_full
     # Three fresh blocks evict the least recently freed first: b_full goes before a_full.
     c = make_seq(list(range(200, 211)))
-    bm.allocate(c)
+    allocate(bm, c)
     assert b_full in c.block_table and a_full not in c.block_table
     assert bm.num_reusable_tokens(make_seq(list(range(100, 105)))) == 0   # evicted: unindexed
     assert bm.num_reusable_tokens(make_seq(list(range(5)))) == 4
@@ -265,7 +276,7 @@ def test_lru_eviction_order_follows_last_use_and_hit_rate_counts_tokens():
 def test_kv_usage_counts_shared_blocks_once():
     bm = BlockManager(8, BS)
     a = make_seq(list(range(10)))       # 3 blocks, 10 tokens: 2 slots unused
-    bm.allocate(a)
+    allocate(bm, a)
     compute(a, 10)
     assert bm.kv_usage([a]) == (10, 12)
     b = a.fork()

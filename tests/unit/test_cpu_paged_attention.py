@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpu_features import cpu_flags
-from pagedllm import cpu_ops
+from pagedllm.kernels import build
 from pagedllm.attention import cpu_paged, torch_native
 from pagedllm.attention.context import Context
 
@@ -19,7 +19,7 @@ from pagedllm.attention.context import Context
 @pytest.fixture(scope="module", autouse=True)
 def kernel_builds():
     """The kernel must build here (gcc + ninja are part of the setup): fail, never skip."""
-    assert cpu_ops.is_available(), cpu_ops.load_error
+    assert (build.load() is not None), build.load_error
 
 
 @pytest.fixture(scope="module", autouse=True, params=["avx512_bf16", "avx512"])
@@ -30,7 +30,7 @@ def bf16_scores(request, kernel_builds):
     needs = {"avx512_bf16": {"avx512_bf16", "avx512bw"}, "avx512": {"avx512f", "avx512bw"}}
     if not needs[request.param] <= cpu_flags():
         pytest.skip(f"this CPU has no {request.param}: that path of the kernel is not run here")
-    ext = cpu_ops.load()
+    ext = build.load()
     ext.allow_dot_scores(request.param == "avx512_bf16")
     try:
         assert ext.paged_attention_scores() == request.param
@@ -200,9 +200,9 @@ def test_backend_decode_and_prefill_match_torch_native(block_size):
 def test_a_stale_build_lock_is_broken_not_waited_on(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
-    old = lock.stat().st_mtime - cpu_ops.STALE_LOCK_SECONDS - 1
+    old = lock.stat().st_mtime - build.STALE_LOCK_SECONDS - 1
     os.utime(lock, (old, old))
-    cpu_ops.wait_for_other_builder(lock)  # returns instead of hanging
+    build.wait_for_other_builder(lock)  # returns instead of hanging
     assert not lock.exists()
 
 @pytest.mark.parametrize("block_size", [16, 256])

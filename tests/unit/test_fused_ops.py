@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm import cpu_ops
+from pagedllm.kernels import build
 from pagedllm.layers.rotary import RotaryEmbedding, rotate_half
 
-ext = cpu_ops.load()
+ext = build.load()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels_build():
-    assert ext is not None, cpu_ops.load_error
+    assert ext is not None, build.load_error
 
 
 def torch_rms_norm(x, weight, eps):
@@ -113,8 +113,8 @@ def test_pagedllm_cpu_kernels_0_turns_every_kernel_off():
     """PAGEDLLM_CPU_KERNELS=0 turns every C++ kernel off (torch's ops only)."""
     import subprocess
     import sys
-    code = ("from pagedllm import cpu_ops; from pagedllm.attention.dispatch import resolve_backend;"
-            "import torch; print(cpu_ops.load() is None, resolve_backend('auto', 'cpu', 16, torch.float32))")
+    code = ("from pagedllm.kernels import build; from pagedllm.attention.dispatch import resolve_backend;"
+            "import torch; print(build.load() is None, resolve_backend('auto', 'cpu', 16, torch.float32))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PAGEDLLM_CPU_KERNELS": "0"}, timeout=120)
     assert out.stdout.split() == ["True", "torch"], out.stderr

@@ -6,14 +6,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm import cpu_ops
-from pagedllm.layers import linear as linear_mod
+from types import SimpleNamespace
+
+from pagedllm.kernels import build, ops, probes
+from pagedllm.layers.linear_methods import (OneDNNLinearMethod, PackedBf16LinearMethod,
+                                            TorchLinearMethod, select_linear_method)
 from test_small_linear import check_against_float64  # tests/unit (pytest prepends rootdir)
 
-ext = cpu_ops.load()
+ext = build.load()
 if ext is None or not ext.has_packed_linear_bf16():
     # Only CPUs with AVX512-BF16 get the kernel (the engine then uses oneDNN); CI's do.
     pytest.skip("no AVX512-BF16 on this CPU: the engine uses oneDNN", allow_module_level=True)
+
+
+def loaded(w: torch.Tensor, fp32_out: bool = False):
+    """The linear method chosen for a loaded weight, and a layer holding the weight as it
+    processed it."""
+    layer = SimpleNamespace(weight=w, packed_weight=None)
+    method = select_linear_method(w, fp32_out)
+    method.process_weights_after_loading(layer)
+    return method, layer
 
 
 def packed_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -63,30 +75,33 @@ def test_bad_shapes_are_clear_errors():
 
 def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_count(monkeypatch):
     """Without AMX a bf16 weight with N % 16 == 0 and K even is packed for pagedllm's kernel,
-    and linear() sends every row count to it (bias added after); other shapes keep oneDNN's
-    packing, fp32 weights none. With AMX, oneDNN's packing stays."""
+    and its method sends every row count to it (bias added after); other shapes keep
+    oneDNN's packing, fp32 weights none. With AMX, oneDNN's packing stays."""
     w, b = torch.randn(64, 128).bfloat16(), torch.randn(64).bfloat16()
-    packed = linear_mod.prepack_weight(w)
-    odd = linear_mod.prepack_weight(torch.randn(40, 128).bfloat16())
-    assert linear_mod.prepack_weight(w.float()) is None
-    assert odd is not None and not linear_mod.is_packed_for_pagedllm(odd)
-    if linear_mod.amx_linear_rows():
-        assert not linear_mod.is_packed_for_pagedllm(packed)
+    method, layer = loaded(w)
+    odd_method, odd = loaded(torch.randn(40, 128).bfloat16())
+    fp32_method, fp32 = loaded(w.float())
+    assert isinstance(fp32_method, TorchLinearMethod) and fp32.packed_weight is None
+    assert isinstance(odd_method, OneDNNLinearMethod) and odd.packed_weight is not None
+    if probes.amx_linear_rows():
+        assert isinstance(method, OneDNNLinearMethod)
         return
-    assert linear_mod.is_packed_for_pagedllm(packed)
+    assert isinstance(method, PackedBf16LinearMethod)
+    packed = layer.packed_weight
     calls = []
     kernel = ext.packed_linear_bf16
-    monkeypatch.setitem(linear_mod._kernels, "packed_linear_bf16",
+    monkeypatch.setattr(ops, "packed_linear_bf16",
                         lambda x, p, fp32_out=False: calls.append(len(x)) or kernel(x, p, fp32_out))
-    for rows in (1, linear_mod.small_linear_rows(), 17, 64, 300):
+    for rows in (1, probes.small_linear_rows(), 17, 64, 300):
         x = torch.randn(rows, 128).bfloat16()
-        ours = linear_mod.linear(x, w, b, packed)
+        ours = method.apply(layer, x, b)
         assert torch.equal(ours, kernel(x, packed) + b)
         torch.testing.assert_close(ours, F.linear(x, w, b), rtol=2e-2, atol=5e-2)
-    assert calls == [1, linear_mod.small_linear_rows(), 17, 64, 300]
+    assert calls == [1, probes.small_linear_rows(), 17, 64, 300]
     # fp32_out (logits): the same sums, unrounded
     x = torch.randn(9, 128).bfloat16()
-    wide = linear_mod.linear(x, w, None, packed, fp32_out=True)
+    head_method, head = loaded(w, fp32_out=True)
+    wide = head_method.apply(head, x)
     assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), kernel(x, packed))
     torch.testing.assert_close(wide, x.double().matmul(w.double().T).float(), rtol=1e-5, atol=1e-4)
 
@@ -117,13 +132,18 @@ def test_the_mlp_takes_the_fused_pass_where_its_weight_is_packed_for_it(monkeypa
     x = torch.randn(9, 64).bfloat16()
     unpacked = mlp.forward(x)
     for m in (mlp.gate_up_proj, mlp.down_proj):
-        m.prepack()
+        m.process_weights_after_loading()
     calls = []
     kernel = ext.packed_gate_up_silu_bf16
-    monkeypatch.setitem(linear_mod._kernels, "packed_gate_up_silu_bf16",
+    monkeypatch.setattr(ops, "packed_gate_up_silu_bf16",
                         lambda x, p: calls.append(len(x)) or kernel(x, p))
     packed = mlp.forward(x)
-    fused_here = linear_mod.is_packed_for_pagedllm(mlp.gate_up_proj.packed_weight)
+    fused_here = isinstance(mlp.gate_up_proj.linear_method, PackedBf16LinearMethod)
     assert calls == ([9] if fused_here else [])
     torch.testing.assert_close(packed, unpacked, rtol=2e-2, atol=2e-2)
-    assert linear_mod.gate_up_silu(x.float(), mlp.gate_up_proj) is None
+    # fp32 weights keep torch's linear and SiLU-and-mul: no fused pass
+    mlp.float()
+    for m in (mlp.gate_up_proj, mlp.down_proj):
+        m.process_weights_after_loading()
+    mlp.forward(x.float())
+    assert calls == ([9] if fused_here else [])

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from cpu_features import cpu_flags, cpu_has_amx_bf16  # tests/ (pytest prepends the rootdir)
-from pagedllm import cpu_ops
+from pagedllm.kernels import build
 from pagedllm.attention import cpu_paged
 
-ext = cpu_ops.load()
+ext = build.load()
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
 
@@ -27,7 +27,7 @@ def isa(request):
     """Every test runs on each path the CPU has: AMX tiles, and AVX512-BF16 dot products
     (on an AMX CPU with AMX turned off for the module). Where the CPU has the instructions
     the kernel must be there: fail, never skip. Only a CPU without them skips, and says so."""
-    assert ext is not None, cpu_ops.load_error
+    assert ext is not None, build.load_error
     if request.param == "amx" and not cpu_has_amx_bf16():
         pytest.skip("this CPU has no AMX-BF16: the kernel's AMX path is not run here")
     if "avx512_bf16" not in cpu_flags():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cpu_features import cpu_flags
-from pagedllm import cpu_ops
+from pagedllm.kernels import build
 from pagedllm.layers.quantized import can_pack_q4_1, is_q4_1, pack_q4_1
 
 pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
 
 @pytest.fixture(scope="module")
 def ext():
-    ext = cpu_ops.load()
-    assert ext is not None, cpu_ops.load_error  # a build failure fails the tests
+    ext = build.load()
+    assert ext is not None, build.load_error  # a build failure fails the tests
     return ext
 
 

@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from cpu_features import cpu_has_amx_bf16  # tests/ (pytest prepends the rootdir)
-from pagedllm import cpu_ops
-from pagedllm.layers import linear as linear_mod
+from types import SimpleNamespace
 
-ext = cpu_ops.load()
+from pagedllm.kernels import build, ops, probes
+from pagedllm.layers.linear_methods import OneDNNLinearMethod
+
+ext = build.load()
 if ext is None or not ext.has_small_linear_bf16():
     # Only CPUs with AVX512-BF16 get the kernel (the engine then uses F.linear); CI's do.
     pytest.skip("no AVX512-BF16 on this CPU: the engine uses F.linear", allow_module_level=True)
@@ -49,17 +51,21 @@ def test_linear_layers_route_bf16_rows_by_count(monkeypatch):
     names = ("small_linear_bf16",) + (("amx_linear_bf16",) if ext.amx_available() else ())
     for name in names:
         kernel = getattr(ext, name)
-        monkeypatch.setitem(linear_mod._kernels, name,
+        monkeypatch.setattr(ops, name,
                             lambda x, w, kernel=kernel, name=name: calls.append((name, len(x)))
                             or kernel(x, w))
+
+    def linear(x, w, b=None):  # a bf16 weight that is not packed for pagedllm's kernel
+        return OneDNNLinearMethod().apply(SimpleNamespace(weight=w, packed_weight=None), x, b)
+
     w, b = torch.randn(64, 128).bfloat16(), torch.randn(64).bfloat16()
-    small, amx = linear_mod.small_linear_rows(), linear_mod.amx_linear_rows()
-    assert small == (linear_mod.SMALL_LINEAR_MAX_ROWS_AMX if amx else linear_mod.SMALL_LINEAR_MAX_ROWS)
+    small, amx = probes.small_linear_rows(), probes.amx_linear_rows()
+    assert small == (probes.SMALL_LINEAR_MAX_ROWS_AMX if amx else probes.SMALL_LINEAR_MAX_ROWS)
     for rows in (1, small, small + 1) + ((amx, amx + 1) if amx else ()):
         x = torch.randn(rows, 128).bfloat16()
-        torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=5e-2)
-    linear_mod.linear(torch.randn(2, 128), w.float())  # fp32 stays with torch
-    linear_mod.linear(torch.randn(small + 1, 80).bfloat16(), torch.randn(64, 80).bfloat16())  # K % 32
+        torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=5e-2)
+    linear(torch.randn(2, 128), w.float())  # fp32 stays with torch
+    linear(torch.randn(small + 1, 80).bfloat16(), torch.randn(64, 80).bfloat16())  # K % 32
     expected = [("small_linear_bf16", 1), ("small_linear_bf16", small)]
     if ext.amx_available():
         expected += [("amx_linear_bf16", small + 1), ("amx_linear_bf16", amx)]

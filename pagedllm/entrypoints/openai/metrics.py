@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.engine.llm_engine import EngineStats, StepStats
+from pagedllm.engine.stats import EngineStats, StepStats
 from pagedllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)

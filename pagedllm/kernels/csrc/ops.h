@@ -1,4 +1,4 @@
-// The C++ CPU kernels of pagedllm, one extension (pagedllm/cpu_ops.py builds and loads it).
+// The C++ CPU kernels of pagedllm, one extension (pagedllm/kernels/build.py builds it; kernels/ops.py wraps each op).
 #pragma once
 #include <torch/extension.h>
 
@@ -58,7 +58,7 @@ bool has_packed_linear_bf16();
 at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packed);
 
 // y = x w^T for bf16 x [M, K] from a GGUF Q4_1 weight kept quantized (q4_linear.cpp): w's
-// exact values d * q + m, from layers/linear.py pack_q4_1's uint8 [N/16, K/32, 320]. Only
+// exact values d * q + m, from layers/quantized.py pack_q4_1's uint8 [N/16, K/32, 320]. Only
 // built where the CPU has AVX512-BF16.
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
 
@@ -77,7 +77,7 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // down packed), then the final norm's; the attention metadata is the paged_attention
 // kernel's, for the step's rows. A packed weight is packed_linear_bf16's (4-D: it takes
 // every row count) or oneDNN's; with oneDNN's, linears take small_linear_bf16 up to
-// small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond (as layers/linear.py).
+// small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond (as layers/linear_methods.py).
 // With prefix_blocks, a prefix every row shares that the tables leave out: cascade
 // attention, its part by attention_over_keys (as attention/cpu_paged.py) on a view of each
 // cache from block prefix_first when the blocks are adjacent (prefix_first >= 0, as

@@ -16,7 +16,7 @@ namespace {
 // x w^T: pagedllm's packed linear where the weight is packed for it (a GGUF Q4_1 weight:
 // q4_1_linear_bf16); else the
 // weight-streaming kernel for up to small_rows rows, the AMX one up to amx_rows, oneDNN's
-// matmul on the prepacked weight beyond (as layers/linear.py chooses).
+// matmul on the prepacked weight beyond (as layers/linear_methods.py chooses).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
                   int64_t small_rows, int64_t amx_rows) {
   if (packed.dim() == 4)

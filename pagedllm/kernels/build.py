@@ -1,9 +1,10 @@
-"""The C++ CPU kernels (pagedllm/csrc): paged attention and the small-batch bf16 linear.
+"""Building and loading the C++ CPU kernels (kernels/csrc) as one torch extension.
 
-They are one extension, compiled with torch.utils.cpp_extension on first use (about a
-minute) and cached afterwards under TORCH_EXTENSIONS_DIR. -march=native: the build is for
-the machine it runs on, so AVX-512 / AVX512-BF16 paths are used exactly where the CPU has
-them. If the build fails, load() returns None with a warning and the engine runs on
+`scripts/setup.sh` builds them (`python -m pagedllm.kernels.build`, about a minute) so the
+first request does not wait; the build is cached under TORCH_EXTENSIONS_DIR, keyed by the
+sources, their directory and the flags. -march=native: the build is for the machine it runs
+on, so AVX-512 / AVX512-BF16 / AMX paths are used exactly where the CPU has them. If the
+build fails (no compiler), load() returns None with one warning and the engine runs on
 torch's own ops (torch_native attention, F.linear), which stay the reference.
 """
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,19 @@ def _sources() -> list[Path]:
 
 def load() -> ModuleType | None:
     """The compiled extension, building it on first use; None (and a warning) if that fails
-    or if PAGEDLLM_CPU_KERNELS=0 asks for torch's ops only."""
+    or if PAGEDLLM_CPU_KERNELS=0 asks for torch's ops only. Model and layer code reach the
+    kernels through kernels/ops.py, never through this module."""
     global _ext, load_error
     if _ext is not None or load_error is not None:
         return _ext
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         load_error = "disabled by PAGEDLLM_CPU_KERNELS=0"
         logger.info("C++ CPU kernels %s: using torch's ops", load_error)
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        load_error = f"no C++ compiler ({compiler!r} is not on PATH; install g++ to build them)"
+        logger.warning("C++ CPU kernels unavailable, using torch's ops (slower): %s", load_error)
         return None
     try:
         from torch.utils.cpp_extension import get_default_build_root
@@ -94,10 +101,19 @@ def wait_for_other_builder(lock: Path) -> None:
         time.sleep(1.0)
 
 
-def is_available() -> bool:
-    return load() is not None
+def main() -> int:
+    """Build the kernels now, showing the compiler's progress (scripts/setup.sh runs this)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("PAGEDLLM_VERBOSE_BUILD", "1")
+    start = time.perf_counter()
+    if load() is None:
+        print(f"pagedllm: the C++ CPU kernels could not be built ({load_error}); pagedllm "
+              "will run on torch's own ops (slower). Install a C++ compiler (g++) to build them.",
+              file=sys.stderr)
+        return 0
+    print(f"pagedllm: C++ CPU kernels ready ({time.perf_counter() - start:.0f} s)")
+    return 0
 
 
-def for_tensor(t: torch.Tensor) -> ModuleType | None:
-    """The kernels if they can work on t (a CPU tensor and a built extension), else None."""
-    return load() if t.is_cpu else None
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""The KV cache of one rank: its budget, its one preallocated tensor of blocks, the views
+each attention layer reads, and the swap space of swap preemption (engine/swap.py)."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm import memory
+from pagedllm.config import EngineConfig
+from pagedllm.distributed import all_reduce_min
+from pagedllm.engine.swap import allocate_swap_tensor
+from pagedllm.models.config import ModelConfig
+from pagedllm.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    """What one rank's KV blocks hold: every layer's K and V of block_size tokens for the
+    KV heads this rank holds (its share, or one replica when there are fewer heads than
+    ranks)."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(config: EngineConfig, mc: ModelConfig) -> KVCacheShape:
+        kv_heads = max(1, mc.num_key_value_heads // config.tensor_parallel_size)
+        return KVCacheShape(mc.num_hidden_layers, config.block_size, kv_heads, mc.head_dim,
+                            config.torch_dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[2 (K, V), layers, blocks, block_size, kv_heads, head_dim]."""
+        return (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+
+def kv_budget(config: EngineConfig, device: torch.device, local_world_size: int
+              ) -> tuple[int, str]:
+    """This rank's KV-cache bytes and where the figure comes from: an explicit budget is
+    split among the ranks, a fraction of RAM among the ranks that share this machine."""
+    if config.kv_cache_memory_bytes is not None:
+        return (config.kv_cache_memory_bytes // config.tensor_parallel_size,
+                "--kv-cache-memory-bytes")
+    fraction = config.kv_cache_memory_fraction
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction), f"{fraction:.0%} of free GPU memory"
+    budget = int(available_memory_bytes() * fraction)
+    return budget // local_world_size, f"{fraction:.0%} of available RAM"
+
+
+def allocate_kv_cache(config: EngineConfig, shape: KVCacheShape, device: torch.device,
+                      local_world_size: int, log: bool) -> torch.Tensor:
+    """One zeroed tensor of KV blocks within the budget; every rank takes the smallest block
+    count any rank can hold, and never more than every sequence at full length can use."""
+    budget, source = kv_budget(config, device, local_world_size)
+    num_blocks = budget // shape.block_bytes
+    blocks_per_seq = cdiv(config.max_model_len, shape.block_size)
+    num_blocks = all_reduce_min(min(num_blocks, config.max_num_seqs * blocks_per_seq))
+    if num_blocks < 1:
+        raise ValueError(f"KV-cache budget of {budget} bytes ({source}) is smaller than one "
+                         f"block of {shape.block_bytes} bytes; raise the budget or lower "
+                         "block_size")
+    # Zeroed, not empty: attention reads padded / masked slots too, and a NaN left in
+    # uninitialised memory survives a zero softmax weight (0 * NaN = NaN).
+    dims = shape.tensor_shape(num_blocks)
+    kv_cache = (memory.zeros(dims, shape.dtype) if device.type == "cpu"
+                else torch.zeros(dims, dtype=shape.dtype, device=device))
+    if log:
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s%s (budget: %s)",
+                    num_blocks, shape.block_size, num_blocks * shape.block_size,
+                    num_blocks * shape.block_bytes / 2**20,
+                    " per rank" if config.tensor_parallel_size > 1 else "",
+                    " on 2 MiB pages" if device.type == "cpu"
+                    and memory.huge_pages_available() else "", source)
+    return kv_cache
+
+
+def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor) -> None:
+    """Point each attention layer, in order, at its layer's K and V blocks."""
+    layer = 0
+    for module in model.modules():
+        if hasattr(module, "k_cache") and hasattr(module, "v_cache"):
+            module.k_cache = kv_cache[0, layer]
+            module.v_cache = kv_cache[1, layer]
+            layer += 1
+
+
+def allocate_swap_space(config: EngineConfig, shape: KVCacheShape, kv_cache: torch.Tensor,
+                        log: bool) -> torch.Tensor | None:
+    """The second-tier pool for swap preemption (engine/swap.py); None for recompute.
+    With tensor parallelism each rank holds its share of swap_space for its KV shard (its
+    own memory-mapped file); the block count is the same on every rank, as config and block
+    size are."""
+    if config.preemption_mode != "swap":
+        return None
+    world_size = config.tensor_parallel_size
+    num_blocks = int(config.swap_space * 2**30) // world_size // shape.block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"swap_space of {config.swap_space} GiB is smaller than one KV block "
+                         f"({shape.block_bytes * world_size} bytes)")
+    swap_cache = allocate_swap_tensor(shape.tensor_shape(num_blocks), shape.dtype,
+                                      kv_cache.device)
+    if log:
+        where = "memory-mapped file" if kv_cache.device.type == "cpu" else "host memory"
+        logger.info("swap space: %d blocks, %.1f MiB%s (%s)", num_blocks,
+                    num_blocks * shape.block_bytes / 2**20,
+                    " per rank" if world_size > 1 else "", where)
+    return swap_cache

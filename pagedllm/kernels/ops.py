@@ -1,0 +1,179 @@
+"""Typed wrappers, one per op, over pagedllm's C++ CPU kernels (kernels/csrc) and over the
+private torch ops pagedllm relies on (oneDNN's prepacked linear, CPU flash attention with
+its log-sum-exp, module hook tables). Everything outside kernels/ calls these, so this file
+and build.py are the only places that know how a kernel is reached.
+
+Call a C++ op only where kernels.probes says it runs (an op called without the extension
+raises a RuntimeError naming why the build failed).
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from pagedllm.kernels import build
+
+Tensor = torch.Tensor
+
+
+class _NotLoaded:
+    """Stands for the extension until its first use, then replaces itself with it."""
+
+    def __getattr__(self, name: str) -> object:
+        global _ext
+        ext = build.load()
+        if ext is None:
+            raise RuntimeError(f"the C++ CPU kernels are not available ({build.load_error})")
+        _ext = ext
+        return getattr(ext, name)
+
+
+_ext: ModuleType | _NotLoaded = _NotLoaded()
+
+
+# ---- attention (paged_attention.cpp, prompt_attention.cpp) ------------------------------------
+
+def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    block_tables: Tensor, q_starts: Tensor, q_lens: Tensor, k_lens: Tensor,
+                    scale: float, prefix_out: Tensor | None = None,
+                    prefix_lse: Tensor | None = None) -> None:
+    """out[rows' new tokens] = causal attention over the paged K/V, read in place; merged by
+    log-sum-exp with a shared prefix's attention when prefix_out / prefix_lse are given."""
+    _ext.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale,
+                         prefix_out, prefix_lse)
+
+
+def prompt_attention(out: Tensor, q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
+                     lens: Tensor, scale: float) -> None:
+    """out[prompts' tokens] = causal attention of each prompt over its own tokens (bf16)."""
+    _ext.prompt_attention(out, q, k, v, starts, lens, scale)
+
+
+def attention_over_keys(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                        causal: bool) -> Tensor:
+    """out = attention of q [T, H, D] over k/v [S, Hkv, D] (causal: q are the last T of the
+    S positions; else every query sees every key); returns the log-sum-exp [T, H]."""
+    return _ext.attention_over_keys(out, q, k, v, scale, causal)
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+             slot_mapping: Tensor) -> None:
+    """Each new token's K and V into its cache slot (-1: skipped)."""
+    _ext.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def allow_dot_scores(allowed: bool) -> None:
+    """Tests: False makes paged_attention widen bf16 keys even where dot products run."""
+    _ext.allow_dot_scores(allowed)
+
+
+def allow_amx_attention(allowed: bool) -> None:
+    """Tests: False makes the attention kernels use AVX512-BF16 even where AMX runs."""
+    _ext.allow_amx_attention(allowed)
+
+
+# ---- linears (small_linear.cpp, amx_linear.cpp, packed_linear.cpp, q4_linear.cpp) -----------
+
+def small_linear_bf16(x: Tensor, w: Tensor) -> Tensor:
+    """x w^T for a few bf16 rows, streaming the plain bf16 weight once."""
+    return _ext.small_linear_bf16(x, w)
+
+
+def amx_linear_bf16(x: Tensor, w: Tensor) -> Tensor:
+    """x w^T for 1-32 bf16 rows on AMX tiles, from the plain weight (K, N multiples of 32)."""
+    return _ext.amx_linear_bf16(x, w)
+
+
+def pack_linear_weight_bf16(w: Tensor) -> Tensor:
+    """The bf16 weight [N, K] packed for packed_linear_bf16: [N/16, K/2, 16, 2]."""
+    return _ext.pack_linear_weight_bf16(w)
+
+
+def packed_linear_bf16(x: Tensor, packed: Tensor, fp32_out: bool = False) -> Tensor:
+    """x w^T for any number of bf16 rows from the packed weight; fp32_out: the fp32 sums."""
+    return _ext.packed_linear_bf16(x, packed, fp32_out)
+
+
+def packed_gate_up_silu_bf16(x: Tensor, packed: Tensor) -> Tensor:
+    """silu(gate) * up of a packed [gate; up] projection in one pass (the results of
+    packed_linear_bf16 then silu_and_mul, bit for bit)."""
+    return _ext.packed_gate_up_silu_bf16(x, packed)
+
+
+def q4_1_linear_bf16(x: Tensor, packed: Tensor) -> Tensor:
+    """x w^T for bf16 rows from a GGUF Q4_1 weight packed by layers/quantized.py pack_q4_1."""
+    return _ext.q4_1_linear_bf16(x, packed)
+
+
+# ---- elementwise (elementwise.cpp) ------------------------------------------------------------
+
+def rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> list[Tensor]:
+    """[norm(x)], or with a residual [norm(x + residual), x + residual]."""
+    return _ext.rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """silu(x[:, :I]) * x[:, I:]."""
+    return _ext.silu_and_mul(x)
+
+
+def rotary_embedding(positions: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate x [T, heads, D] in place by its positions (half-rotation layout)."""
+    _ext.rotary_embedding(positions, x, cos, sin)
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """Each row's first largest index (torch.argmax's answer)."""
+    return _ext.argmax_rows(x)
+
+
+# ---- the one-call decode stack (decode_stack.cpp) -----------------------------------------------
+
+def decode_layers(x: Tensor, positions: Tensor, weights: list[Tensor], k_caches: list[Tensor],
+                  v_caches: list[Tensor], cos: Tensor, sin: Tensor, slot_mapping: Tensor,
+                  block_tables: Tensor, q_starts: Tensor, q_lens: Tensor, k_lens: Tensor,
+                  num_heads: int, num_kv_heads: int, eps: float, scale: float, small_rows: int,
+                  amx_rows: int, prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
+    """A bf16 decode step's decoder layers and final norm in one call (see ops.h)."""
+    return _ext.decode_layers(x, positions, weights, k_caches, v_caches, cos, sin, slot_mapping,
+                              block_tables, q_starts, q_lens, k_lens, num_heads, num_kv_heads,
+                              eps, scale, small_rows, amx_rows, prefix_blocks, prefix_first)
+
+
+# ---- private torch ops -------------------------------------------------------------------------
+
+def onednn_pack_linear_weight(weight: Tensor) -> Tensor | None:
+    """The bf16 weight in oneDNN's blocked layout (an opaque tensor), None where torch has
+    no oneDNN. The batch-size hint (64) only picks a blocking; results equal F.linear's."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """x w^T (+ bias) on oneDNN's prepacked weight."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def onednn_data_ptr(packed: Tensor) -> int:
+    """Where an opaque oneDNN tensor's data lies (to put it on huge pages)."""
+    return torch.ops.mkldnn.data_ptr(packed)
+
+
+def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float
+                             ) -> tuple[Tensor, Tensor]:
+    """torch's CPU flash attention without a mask on [B, H, T, D] tensors: the output and
+    each query's log-sum-exp [B, H, T] (SDPA's public API drops the latter)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                           scale=scale)
+    return out, lse
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether a forward (pre-)hook sits on the module, or on every module (global hooks):
+    an executor that runs the module's work in C++ would skip it."""
+    return bool(module._forward_pre_hooks or module._forward_hooks
+                or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)

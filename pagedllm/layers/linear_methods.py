@@ -1,0 +1,123 @@
+"""How a linear layer computes x w^T: one method object per weight format and kernel, chosen
+once after the weights are loaded (in the spirit of vLLM's QuantizeMethodBase).
+
+A method may keep a second form of the weight in `layer.packed_weight` (process_weights_
+after_loading) and then computes from it (apply). Adding a format (GGUF Q8_0, Q4_K, ...)
+is one new class here plus the line in select_linear_method or in the loader that picks it.
+
+- TorchLinearMethod: F.linear. fp32 (so fp32 outputs stay HF transformers' bit for bit),
+  CUDA, and layers not yet loaded.
+- PackedBf16LinearMethod: pagedllm's packed bf16 kernel (csrc/packed_linear.cpp) at every
+  row count, on CPUs with AVX512-BF16 and no AMX. Over SmolLM2's layers and head on the
+  2-core Zen 5: 7.9 ms at 1 row (8.5 for the weight-streaming kernel, 12.8 for oneDNN),
+  22.0 vs oneDNN's 27.0 at 32 rows, 41.1 vs 47.0 at 64, 2-5% faster at 512-2048.
+- OneDNNLinearMethod: other bf16 CPU linears (AMX CPUs, shapes the packed kernel does not
+  take): the weight-streaming kernel for few rows, the AMX kernel up to 32 rows, oneDNN on
+  its prepacked weight beyond (torch's bf16 matmul reorders the weight on every call: with
+  the packed copy a 64-row decode step takes 18 instead of 32 ms of linears).
+- GGUFQ4_1LinearMethod (layers/quantized.py): a GGUF Q4_1 weight kept quantized.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels import ops, probes
+
+
+class LinearMethod:
+    """Computes a linear layer's x w^T (+ bias) from its weight."""
+
+    # where the weight's packed form is pagedllm's own plain tensor (a oneDNN packing is
+    # opaque memory no tensor of ours can hold)
+    owns_packing = False
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Prepare the loaded weight (pack it); by default nothing."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
+                           silu_and_mul: nn.Module) -> torch.Tensor:
+        """silu(gate) * up of a merged [gate; up] projection (no bias)."""
+        return silu_and_mul.forward(self.apply(layer, x))
+
+
+class TorchLinearMethod(LinearMethod):
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+def _takes_cpu_bf16(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu
+
+
+class PackedBf16LinearMethod(LinearMethod):
+    """fp32_out (the LM head): the kernel's fp32 sums, unrounded. Rounded to bf16 (a step of
+    1/16 at 16), near-equal top logits would tie and the first index win."""
+
+    owns_packing = True
+
+    def __init__(self, fp32_out: bool = False) -> None:
+        self.fp32_out = fp32_out
+
+    @staticmethod
+    def can_pack(weight: torch.Tensor) -> bool:
+        n, k = weight.shape
+        return probes.has_packed_linear() and n % 16 == 0 and k % 2 == 0
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.packed_weight = ops.pack_linear_weight_bf16(layer.weight.detach())
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        if not _takes_cpu_bf16(x):
+            return F.linear(x, layer.weight, bias)
+        y = ops.packed_linear_bf16(x, layer.packed_weight, self.fp32_out)
+        return y if bias is None else y + bias
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
+                           silu_and_mul: nn.Module) -> torch.Tensor:
+        """In one pass, bit for bit the linear then SiLU-and-mul, without writing and
+        re-reading the projection's output."""
+        if not _takes_cpu_bf16(x):
+            return silu_and_mul.forward(self.apply(layer, x))
+        return ops.packed_gate_up_silu_bf16(x, layer.packed_weight)
+
+
+class OneDNNLinearMethod(LinearMethod):
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.packed_weight = ops.onednn_pack_linear_weight(layer.weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        if not _takes_cpu_bf16(x):
+            return F.linear(x, layer.weight, bias)
+        rows, weight = x.shape[0], layer.weight
+        if probes.has_avx512_bf16() and weight.is_contiguous():
+            y = None
+            if rows <= probes.small_linear_rows():
+                y = ops.small_linear_bf16(x if x.stride(1) == 1 else x.contiguous(), weight)
+            elif (rows <= probes.amx_linear_rows() and x.shape[1] % 32 == 0
+                  and weight.shape[0] % 32 == 0):
+                y = ops.amx_linear_bf16(x if x.stride(1) == 1 else x.contiguous(), weight)
+            if y is not None:
+                return y if bias is None else y + bias
+        if layer.packed_weight is not None:
+            return ops.onednn_linear(x, layer.packed_weight, bias)
+        return F.linear(x, weight, bias)
+
+
+def select_linear_method(weight: torch.Tensor, fp32_out: bool = False) -> LinearMethod:
+    """The method for a loaded weight: pagedllm's packed bf16 kernel where it runs and takes
+    the shape (not on AMX CPUs, where oneDNN's AMX matmuls win from ~48 rows), else the
+    oneDNN method for bf16 on the CPU, else F.linear."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return TorchLinearMethod()
+    if PackedBf16LinearMethod.can_pack(weight) and not probes.amx_linear_rows():
+        return PackedBf16LinearMethod(fp32_out)
+    return OneDNNLinearMethod()
