@@ -4,7 +4,7 @@ Prefill: flash_attn_varlen_func over the packed new tokens, or, when a prefix is
 over the paged cache itself (block_table). Decode: flash_attn_with_kvcache with the
 block tables and context lengths. flash-attn's paged KV needs blocks of a multiple of 256
 tokens and fp16 / bf16 (attention/dispatch.py checks both). K/V are stored by the Triton slot-mapping kernel (it skips -1 slots, which padded
-CUDA-graph rows use). NEVER RUN on the machines this was written on (no GPU).
+CUDA-graph rows use).
 """
 from __future__ import annotations
 

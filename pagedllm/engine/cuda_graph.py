@@ -8,7 +8,7 @@ the padding rows get slot -1 (their K/V is not stored) and context length 0.
 
 The attention backend must accept that padding (the Triton store skips slot -1, the
 Triton decode kernel writes zeros for a length-0 row) and must not synchronise with the
-host during decode. NEVER RUN on the machines this was written on (no GPU).
+host during decode.
 """
 from __future__ import annotations
 
