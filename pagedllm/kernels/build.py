@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,16 +104,30 @@ def wait_for_other_builder(lock: Path) -> None:
 
 
 def main() -> int:
-    """Build the kernels now, showing the compiler's progress (scripts/setup.sh runs this)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.environ.setdefault("PAGEDLLM_VERBOSE_BUILD", "1")
+    """Build the kernels now, one line of progress per compiled file (scripts/setup.sh runs
+    this, so the first request does not wait). Exit status 0 either way: without a compiler
+    pagedllm still runs, on torch's ops, and this says so."""
     start = time.perf_counter()
-    if load() is None:
-        print(f"pagedllm: the C++ CPU kernels could not be built ({load_error}); pagedllm "
-              "will run on torch's own ops (slower). Install a C++ compiler (g++) to build them.",
-              file=sys.stderr)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pagedllm.kernels import build; "
+         "sys.exit(0 if build.load() is not None else 1)"],
+        env={**os.environ, "PAGEDLLM_VERBOSE_BUILD": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    assert child.stdout is not None
+    tail: list[str] = []
+    for line in child.stdout:
+        step = re.match(r"\[(\d+/\d+)\] .*?(?:-c (\S+)|-o (\S+\.so))", line)
+        if step:
+            what = f"compiling {Path(step[2]).name}" if step[2] else f"linking {step[3]}"
+            print(f"pagedllm kernels: [{step[1]}] {what}", flush=True)
+        tail = (tail + [line.rstrip()])[-30:]
+    if child.wait() != 0:
+        print("\n".join(tail), file=sys.stderr)
+        print("pagedllm: the C++ CPU kernels could not be built (see above); pagedllm runs on "
+              "torch's own ops, correct but slower. Install a C++ compiler (g++) and run "
+              "`python -m pagedllm.kernels.build` again.", file=sys.stderr)
         return 0
-    print(f"pagedllm: C++ CPU kernels ready ({time.perf_counter() - start:.0f} s)")
+    print(f"pagedllm kernels: ready ({time.perf_counter() - start:.0f} s)")
     return 0
 
 
