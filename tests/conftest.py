@@ -75,7 +75,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
 
 
-# ---- a real `pagedllm serve` process (tests/server, tests/browser) ---------------------------
+# ---- a real `pagedllm serve` process (tests/entrypoints, tests/robust) -----------------------
 
 SERVER_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(96 * 737_280),
                       "--max-model-len", "512"]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from pagedllm import cpu_ops
 from pagedllm.layers import linear as linear_mod
-from test_small_linear import check_against_float64  # tests/unit (pytest prepends rootdir)
+from test_small_linear import check_against_float64  # tests/kernels (pytest prepends rootdir)
 
 ext = cpu_ops.load()
 if ext is None or not ext.has_packed_linear_bf16():

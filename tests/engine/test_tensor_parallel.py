@@ -57,7 +57,7 @@ def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
 
 def children() -> set[int]:
     """This process's live child processes but multiprocessing's resource tracker. Other
-    tests' servers (the session-scoped one of tests/server) may be among them, so the tests
+    tests' servers (the session-scoped one of tests/entrypoints) may be among them, so the tests
     compare this set before and after, never against an empty set."""
     pids = set()
     for c in psutil.Process().children():
