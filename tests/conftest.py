@@ -15,8 +15,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 torch.set_num_threads(os.cpu_count() or 1)
+
+# Property tests draw the same examples on every run ("derandomized", the default, what CI
+# runs): a failure is reproducible and never comes and goes between runs. The "random"
+# profile is a real random search with a local example database (.hypothesis/), for
+# hunting new failures: `pytest --hypothesis-profile random` (or HYPOTHESIS_PROFILE=random).
+# A test's own @settings (max_examples, deadline) still apply under either profile.
+settings.register_profile("derandomized", derandomize=True, database=None, print_blob=True)
+settings.register_profile("random", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "derandomized"))
 
 
 def bundled_gguf() -> Path:
@@ -75,7 +85,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
 
 
-# ---- a real `pagedllm serve` process (tests/server, tests/browser) ---------------------------
+# ---- a real `pagedllm serve` process (tests/entrypoints, tests/robust) -----------------------
 
 SERVER_ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(96 * 737_280),
                       "--max-model-len", "512"]

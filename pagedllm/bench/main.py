@@ -26,6 +26,7 @@ from pagedllm.bench.report import (format_bounds, format_machine, format_serving
 from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
 from pagedllm.bench.roofline import (ModelCost, decode_step_roofline_seconds, model_cost,
                                      prefill_roofline_seconds, workload_roofline)
+from pagedllm.bench.serve import run_serve
 from pagedllm.config import EngineConfig
 
 WORKLOADS = ("throughput", "latency", "prefix", "serve", "all")
@@ -339,8 +340,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     started = datetime.now(timezone.utc)
     bench = Bench(args)
     if args.workload == "serve":
-        from pagedllm.bench.serve import run_serve
-        run_serve(bench)
+        result, notes = run_serve(args, bench.workloads[0], bench.tokenizer)
+        bench.results.append(result)
+        bench.notes.extend(notes)
     else:
         bench.run()
     doc = bench.document(started.isoformat(timespec="seconds"), argv)

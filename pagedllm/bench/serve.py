@@ -8,10 +8,11 @@ extension) and `stream_options.include_usage` gives the exact count of generated
 """
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -19,9 +20,7 @@ from tqdm.auto import tqdm
 from pagedllm.bench.http_client import HTTPError, request_json, stream_events
 from pagedllm.bench.results import BenchResult
 from pagedllm.bench.workloads import BenchRequest, Workload
-
-if TYPE_CHECKING:
-    from pagedllm.bench.main import Bench
+from pagedllm.tokenizer import Tokenizer
 
 
 @dataclass
@@ -143,10 +142,10 @@ def serving_metrics(traces: list[RequestTrace], duration: float) -> dict[str, An
     }
 
 
-def _prompts(bench: "Bench", workload: Workload) -> list[Any]:
-    if bench.args.prompt_format == "ids":
+def _prompts(prompt_format: str, workload: Workload, tokenizer: Tokenizer) -> list[Any]:
+    if prompt_format == "ids":
         return [r.prompt_token_ids for r in workload.requests]
-    return [bench.tokenizer.decode(r.prompt_token_ids) for r in workload.requests]
+    return [tokenizer.decode(r.prompt_token_ids) for r in workload.requests]
 
 
 def _server_version(base_url: str) -> str:
@@ -156,19 +155,19 @@ def _server_version(base_url: str) -> str:
         return "unknown"
 
 
-def run_serve(bench: "Bench") -> None:
-    """Drive the server at --base-url with the serve workload; add one result row to ``bench``."""
-    args = bench.args
+def run_serve(args: argparse.Namespace, workload: Workload,
+              tokenizer: Tokenizer) -> tuple[BenchResult, list[str]]:
+    """Drive the server at --base-url with the serve workload: its result row, and notes."""
     base_url = args.base_url.rstrip("/")
-    workload = bench.workloads[0]
     model = args.served_model_name or served_model(base_url)
-    traces, duration = run_requests(base_url, model, _prompts(bench, workload), workload.requests,
+    prompts = _prompts(args.prompt_format, workload, tokenizer)
+    traces, duration = run_requests(base_url, model, prompts, workload.requests,
                                     args.request_rate, args.max_concurrency, args.seed)
     metrics = serving_metrics(traces, duration)
     ok = [t for t in traces if t.error is None]
     exact = len(ok) == len(workload.requests) and all(t.output_tokens == t.requested for t in ok)
     dtype = ",".join(args.dtype) if args.dtype != ["auto"] else "server's"
-    bench.results.append(BenchResult(
+    result = BenchResult(
         workload="serve", engine=f"http:{model}", dtype=dtype, threads=args.threads,
         versions={"server": _server_version(base_url)},
         settings={"base_url": base_url, "request_rate": args.request_rate,
@@ -179,6 +178,6 @@ def run_serve(bench: "Bench") -> None:
         total_tok_s=metrics["total_token_throughput"], req_s=metrics["request_throughput"],
         ttft_s=metrics["ttft"]["p50"] / 1000 if metrics["ttft"]["p50"] is not None else None,
         serving={**metrics, "base_url": base_url, "request_rate": args.request_rate},
-        notes="" if args.prompt_format == "ids" else "text prompts: token counts from the server"))
-    if metrics["failed"]:
-        bench.notes.append(f"{metrics['failed']} serve requests failed: {metrics['errors']}")
+        notes="" if args.prompt_format == "ids" else "text prompts: token counts from the server")
+    failed = [f"{metrics['failed']} serve requests failed: {metrics['errors']}"] if metrics["failed"] else []
+    return result, failed

@@ -20,13 +20,15 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader
 
 from pagedllm.models.config import ModelConfig
 
 from .dequant import dequantize, q4_1_parts
 from .errors import ModelLoadError, naming_errors
 from .gguf_header import scan_gguf
+from .gguf_metadata import read_metadata
+from .gguf_tokenizer import tokenizer_from_gguf
 from .source import ModelSource
 from .validate import check_weight_shapes
 
@@ -66,8 +68,6 @@ def load_gguf(path: str) -> ModelSource:
         ModelLoadError: missing file, not a GGUF / truncated / corrupt, unsupported
             architecture, missing required metadata, or tensors we cannot map.
     """
-    from pagedllm.tokenizer import Tokenizer  # deferred: pagedllm.tokenizer imports this package
-
     reader = open_gguf(path)
     metadata = read_metadata(reader, path)
     check_metadata_types(metadata, path)
@@ -75,7 +75,7 @@ def load_gguf(path: str) -> ModelSource:
     with naming_errors(path, "invalid model hyper-parameters"):
         config = config_from_metadata(metadata, reader, path)
     with naming_errors(path, "invalid tokenizer"):
-        tokenizer = Tokenizer.from_gguf(metadata)
+        tokenizer = tokenizer_from_gguf(metadata)
     names = _hf_names(reader, path)
     check_weight_shapes({names[t.name]: _hf_shape(t) for t in reader.tensors if names[t.name]},
                         config, path)
@@ -106,12 +106,6 @@ def open_gguf(path: str) -> GGUFReader:
             f"{type(exc).__name__}: {exc}") from exc
 
 
-def read_metadata(reader: GGUFReader, path: str = "<gguf>") -> dict[str, Any]:
-    """All metadata key/values of a GGUF file, decoded to plain Python values."""
-    with naming_errors(path, "corrupt GGUF metadata"):
-        return {key: _field_value(field) for key, field in reader.fields.items()}
-
-
 def gguf_to_hf_name(name: str) -> str | None:
     """The HF name of a llama.cpp tensor name, or None if it has no HF equivalent we know."""
     if match := _LAYER_NAME.fullmatch(name):
@@ -139,46 +133,6 @@ def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # ============================================================================ metadata
-
-def _field_value(field: Any) -> Any:
-    """Decode one ``ReaderField`` (works across gguf-py versions: uses parts/data/types only)."""
-    if not field.types:
-        return None
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        return _array_value(field)
-    part = field.parts[field.data[0]]
-    if main == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return _scalar(part[0], main)
-
-
-def _array_value(field: Any) -> list[Any]:
-    element_type = field.types[-1]
-    if element_type == GGUFValueType.STRING:
-        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-    if element_type == GGUFValueType.ARRAY or not field.data:
-        return []  # nested arrays: no key we read uses them
-    values = np.concatenate([np.asarray(field.parts[i]).reshape(-1) for i in field.data])
-    if element_type == GGUFValueType.FLOAT32:
-        return [_float32(v) for v in values]
-    if element_type == GGUFValueType.BOOL:
-        return [bool(v) for v in values]
-    return values.tolist()
-
-
-def _scalar(value: np.generic, value_type: GGUFValueType) -> Any:
-    if value_type == GGUFValueType.BOOL:
-        return bool(value)
-    if value_type == GGUFValueType.FLOAT32:
-        return _float32(value)
-    return value.item()
-
-
-def _float32(value: np.generic) -> float:
-    """A float32 as the shortest decimal that round-trips (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(value)))
-
 
 # The types of the metadata keys we read (GGUF writers use several integer widths).
 _GENERAL_KEY_TYPES: dict[str, type | tuple[type, type]] = {

@@ -4,19 +4,18 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
 
 from pagedllm.models.config import ModelConfig
+from pagedllm.tokenizer import Tokenizer
 
 from .errors import ModelLoadError, naming_errors
+from .hf_tokenizer import tokenizer_from_hf_dir
 from .source import ModelSource
 from .validate import check_weight_shapes
-
-if TYPE_CHECKING:
-    from pagedllm.tokenizer import Tokenizer
 
 # HF architecture class / model_type -> ModelConfig.architecture
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -33,8 +32,6 @@ def load_hf_dir(path: str) -> ModelSource:
         ModelLoadError: no config.json, unsupported architecture, missing keys or
             safetensors files.
     """
-    from pagedllm.tokenizer import Tokenizer  # deferred: pagedllm.tokenizer imports this package
-
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory {path!r} does not exist")
     hf_config = _read_config(path)
@@ -46,7 +43,7 @@ def load_hf_dir(path: str) -> ModelSource:
         config = config_from_hf(hf_config, path, has_lm_head="lm_head.weight" in shapes)
     check_weight_shapes(shapes, config, path)
     with naming_errors(path, "invalid tokenizer"):
-        tokenizer = Tokenizer.from_hf_dir(path)
+        tokenizer = tokenizer_from_hf_dir(path)
     _share_eos_ids(config, tokenizer)
 
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

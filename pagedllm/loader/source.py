@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from pagedllm.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from pagedllm.tokenizer import Tokenizer
+from pagedllm.tokenizer import Tokenizer
 
 WeightStream = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
 # (HF name, (quants, scales, minimums)) of each weight a GGUF stores as Q4_1
@@ -31,7 +29,7 @@ class ModelSource:
     path: str
     format: str
     config: ModelConfig
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     weight_names: list[str]
     _stream: WeightStream = field(repr=False)
     _q4_1_stream: Q4_1Stream | None = field(default=None, repr=False)

@@ -35,6 +35,7 @@ def rows(doc, engine, workload):
     return [r for r in doc["results"] if r["engine"] == engine and r["workload"] == workload]
 
 
+@pytest.mark.slow
 def test_every_engine_ran_every_workload(bench_all):
     _, doc, _ = bench_all
     got = sorted((r["engine"], r["workload"], r["settings"].get("label", "")) for r in doc["results"])
@@ -45,6 +46,7 @@ def test_every_engine_ran_every_workload(bench_all):
         ("pagedllm", "throughput", "")])
 
 
+@pytest.mark.slow
 def test_every_request_produced_exactly_its_requested_length(bench_all):
     _, doc, _ = bench_all
     workloads = {w["name"]: w for w in doc["workloads"]}
@@ -58,6 +60,7 @@ def test_every_request_produced_exactly_its_requested_length(bench_all):
     assert workloads["latency"]["num_requests"] == 1
 
 
+@pytest.mark.slow
 def test_rows_state_engine_dtype_threads_versions_and_roofline(bench_all):
     _, doc, _ = bench_all
     for r in doc["results"]:
@@ -81,6 +84,7 @@ def test_rows_state_engine_dtype_threads_versions_and_roofline(bench_all):
     assert 0.2 < doc["model"]["cost"]["gflop_per_prompt_token"] < 0.22
 
 
+@pytest.mark.slow
 def test_prefix_caching_rows_differ_in_cached_tokens(bench_all):
     _, doc, _ = bench_all
     by_label = {r["settings"]["label"]: r for r in rows(doc, "pagedllm", "prefix")}
@@ -88,6 +92,7 @@ def test_prefix_caching_rows_differ_in_cached_tokens(bench_all):
     assert by_label["prefix caching off"]["settings"]["cached_prompt_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_hf_reports_the_best_of_its_batch_sizes(bench_all):
     _, doc, _ = bench_all
     r = rows(doc, "hf-transformers", "throughput")[0]
@@ -97,6 +102,7 @@ def test_hf_reports_the_best_of_its_batch_sizes(bench_all):
     assert r["output_tok_s"] == pytest.approx(max(tried.values()), rel=0.01)
 
 
+@pytest.mark.slow
 def test_table_and_chart_are_written(bench_all):
     r, doc, out = bench_all
     assert "out tok/s" in r.stdout and "hf-transformers" in r.stdout

@@ -11,6 +11,9 @@ import urllib.request
 
 import pytest
 
+# a real server driven by `pagedllm bench serve`, twice (about 25 s)
+pytestmark = pytest.mark.slow
+
 ENV = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
 CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
 

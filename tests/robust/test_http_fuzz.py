@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 
 from test_soak import blocks_used, serve_tiny, still_answers, stop_cleanly
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+# hundreds of hostile requests against a real server (about 20 s)
+pytestmark = pytest.mark.slow
+
+FUZZ = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 VOCAB = 261  # tests/tiny_models.py
 

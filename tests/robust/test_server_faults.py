@@ -58,6 +58,7 @@ async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
         return await asyncio.gather(*(client.post(url + "/v1/completions", json=b) for b in bodies))
 
 
+@pytest.mark.slow
 def test_failing_forward_pass_gives_500_and_the_server_keeps_serving(faulty_server, hf_greedy):
     url = faulty_server.url
     r = httpx.post(url + "/v1/completions", json=greedy_body(f"{MARK_MODEL} the capital"), timeout=300)
@@ -69,6 +70,7 @@ def test_failing_forward_pass_gives_500_and_the_server_keeps_serving(faulty_serv
     assert blocks_used(url) == 0
 
 
+@pytest.mark.slow
 def test_failing_batch_in_a_stream_ends_with_an_error_event(faulty_server):
     with httpx.stream("POST", faulty_server.url + "/v1/completions", timeout=300,
                       json=greedy_body(f"{MARK_MODEL} streamed", stream=True)) as r:
@@ -81,6 +83,7 @@ def test_failing_batch_in_a_stream_ends_with_an_error_event(faulty_server):
     assert blocks_used(faulty_server.url) == 0
 
 
+@pytest.mark.slow
 def test_detokenizer_fault_fails_only_its_request(faulty_server, hf_greedy):
     bodies = [greedy_body(p) for p in PROMPTS] + [greedy_body(f"{MARK_DETOK} in the text")]
     responses = asyncio.run(post_all(faulty_server.url, bodies))
@@ -102,6 +105,7 @@ def crash_with_requests_in_flight(server) -> dict:
     return body
 
 
+@pytest.mark.slow
 def test_engine_core_crash_fails_requests_then_the_server_exits_with_1(start_server, tiny_gguf):
     import time
     from test_soak import TINY_SERVER

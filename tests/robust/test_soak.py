@@ -15,6 +15,9 @@ import pytest
 
 from pagedllm.bench.soak import SoakConfig, kv_blocks, run_soak
 
+# 64 clients, idle connections and overload against real servers (about 45 s)
+pytestmark = pytest.mark.slow
+
 TINY_SERVER = ["--max-model-len", "128", "--kv-cache-memory-bytes", str(128 * 8192),
                "--block-size", "16"]
 

@@ -51,6 +51,7 @@ def test_n3_seeded_returns_three_choices_each_equal_to_its_seed(server, client, 
     wait_until_idle(server)
 
 
+@pytest.mark.slow
 def test_n2_greedy_stream_per_index_equals_non_streamed(server, client, model, reference):
     kw = dict(model=model, prompt=PROMPT, max_tokens=10, temperature=0, n=2)
     r = client.completions.create(**kw)
@@ -93,6 +94,7 @@ def test_n2_chat_streamed_equals_non_streamed_and_prompts_times_n(server, client
     wait_until_idle(server)
 
 
+@pytest.mark.slow
 def test_beam_search_returns_the_n_best_of_the_offline_beam_search(server, client, model,
                                                                    reference):
     want = reference.beam_search([PROMPT], beam_width=3, max_tokens=6, use_tqdm=False)[0]

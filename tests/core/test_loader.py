@@ -68,6 +68,7 @@ def test_bundled_config(source):
     assert source.tokenizer.eos_token_ids == [2]
 
 
+@pytest.mark.slow
 def test_bundled_weights_equal_hf_transformers(source, hf_state_dict):
     """Exact equality, q/k included: our un-permutation matches HF's reverse permute."""
     seen = []
@@ -80,6 +81,7 @@ def test_bundled_weights_equal_hf_transformers(source, hf_state_dict):
     assert "model.layers.0.self_attn.q_proj.weight" in seen
 
 
+@pytest.mark.slow
 def test_bundled_q_k_permutation_is_not_the_identity(hf_state_dict):
     """Guard against a vacuous pass: for these shapes the llama.cpp row order really differs."""
     for name, heads in (("q_proj", 9), ("k_proj", 3)):

@@ -55,6 +55,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [32, 37], ids=["chunks-at-block-edges", "chunks-inside-blocks"])
 def test_chunked_prefill_matches_hf_and_prefix_hits_before_a_chunk(budget, long_prompts,
                                                                    hf_reference):
@@ -108,6 +109,7 @@ def test_chunk_key_length_counts_cached_and_earlier_chunks(long_prompts):
         reset_context()
 
 
+@pytest.mark.slow
 def test_unchunked_engine_gives_hf_tokens(long_prompts, hf_reference):
     """enable_chunked_prefill=False: whole prompts in one step, beside the running decodes."""
     llm = LLM(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,

@@ -8,6 +8,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+# one long run under a tiny KV cache, three engines (about 20 s)
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 32
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "def fibonacci(n):\n", "The three primary colors are", "Q: What is 17 * 23?\nA:"]

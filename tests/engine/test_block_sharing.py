@@ -121,6 +121,7 @@ def hf_beam_search(hf_model, ids: list[int], k: int, length_penalty: float) -> l
     return out[0, len(ids):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (4, 0.6)])
 def test_beam_search_matches_transformers(llm, hf_smollm, beam_prompt_ids, k, length_penalty):
     ours = llm.beam_search(beam_prompt_ids, beam_width=k, max_tokens=BEAM_TOKENS,

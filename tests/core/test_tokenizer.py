@@ -22,6 +22,8 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers, trainers
 
 from pagedllm.loader import ModelLoadError
+from pagedllm.loader.gguf_tokenizer import tokenizer_from_gguf
+from pagedllm.loader.hf_tokenizer import tokenizer_from_hf_dir
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +70,7 @@ def _bundled_dir() -> str:
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(os.path.join(_bundled_dir(), GGUF_NAME)))
+    return tokenizer_from_gguf(gguf.GGUFReader(os.path.join(_bundled_dir(), GGUF_NAME)))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def smollm_reference(hf) -> Backend:
 
 
 def test_tokenizer_module_imports_first_without_cycle():
-    """pagedllm.tokenizer and pagedllm.loader import each other; either may come first."""
+    """pagedllm.tokenizer imports on its own, before the loader that builds tokenizers."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = "import pagedllm.tokenizer, pagedllm.loader; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
@@ -203,10 +205,10 @@ def test_incremental_detokenizer_special_tokens(ours):
 # ----------------------------------------------------------------------------- HF directories
 
 def test_hf_dir_round_trip(ours, tmp_path):
-    """Our tokenizer saved in HF layout loads identically in HF and in our from_hf_dir."""
+    """Our tokenizer saved in HF layout loads identically in HF and in our tokenizer_from_hf_dir."""
     ours.save_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 0], "bos_token_id": 1}))
-    reloaded = Tokenizer.from_hf_dir(str(tmp_path))
+    reloaded = tokenizer_from_hf_dir(str(tmp_path))
     hf_dir = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     for text in TEXTS + NON_ASCII_DIGITS:
         assert reloaded.encode(text) == ours.encode(text) == hf_dir.encode(text)
@@ -221,12 +223,12 @@ def test_hf_dir_round_trip(ours, tmp_path):
 def test_hf_dir_chat_template_jinja_file(ours, tmp_path):
     ours.save_pretrained(str(tmp_path))
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
-    assert Tokenizer.from_hf_dir(str(tmp_path)).apply_chat_template(CONVERSATIONS[0]) == "[hi]"
+    assert tokenizer_from_hf_dir(str(tmp_path)).apply_chat_template(CONVERSATIONS[0]) == "[hi]"
 
 
 def test_hf_dir_without_tokenizer_json(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
-        Tokenizer.from_hf_dir(str(tmp_path))
+        tokenizer_from_hf_dir(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------- synthetic GGUF vocabularies
@@ -283,7 +285,7 @@ def test_byte_level_pre_tokenizers_match_hf(tmp_path, small_byte_level_vocab, pr
     tokens, types, merges = small_byte_level_vocab
     path = tmp_path / "vocab.gguf"
     _write_vocab_gguf(path, "gpt2", tokens, types, pre=pre, merges=merges, add_bos=(pre == "llama-bpe"))
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+    ours = tokenizer_from_gguf(gguf.GGUFReader(str(path)))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="vocab.gguf")
     for text in PROBES:
         assert ours.encode(text) == hf.encode(text), (pre, text)
@@ -300,7 +302,7 @@ def test_sentencepiece_gguf_matches_hf(tmp_path):
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
     path = tmp_path / "spm.gguf"
     _write_vocab_gguf(path, "llama", tokens, types, scores=scores)
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+    ours = tokenizer_from_gguf(gguf.GGUFReader(str(path)))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     for text in ["hello world", " hello  the world", "héllo wörld 🙂", "the\nworld</s>"]:
         assert ours.encode(text) == hf.encode(text), text
@@ -312,4 +314,4 @@ def test_unsupported_tokenizer_model(tmp_path):
     path = tmp_path / "bert.gguf"
     _write_vocab_gguf(path, "bert", ["[PAD]", "[CLS]", "[SEP]"], [3, 3, 3])
     with pytest.raises(ModelLoadError, match="'bert' is not supported"):
-        Tokenizer.from_gguf(gguf.GGUFReader(str(path)))
+        tokenizer_from_gguf(gguf.GGUFReader(str(path)))

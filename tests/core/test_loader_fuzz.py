@@ -37,7 +37,7 @@ from pagedllm.loader.gguf_loader import gguf_to_hf_name
 from pagedllm.sampling_params import SamplingParams
 from tiny_models import write_tiny_llama_gguf
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 CASE_SECONDS = 10          # a parse of the tiny file takes milliseconds; this is a hang
 ADDRESS_SPACE_HEADROOM = 3 * 2**30

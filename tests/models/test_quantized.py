@@ -40,6 +40,7 @@ def test_every_linear_holds_only_its_q4_1_weight_and_the_head_stays_bf16(llm):
     assert head.dim() == 4 and head.dtype == torch.bfloat16  # fp32 logits
 
 
+@pytest.mark.slow
 def test_where_amx_would_pack_for_onednn_the_head_still_takes_pagedllms_kernel(monkeypatch):
     """On an AMX CPU bf16 weights are packed for oneDNN (bf16 logits); with quantized weights
     the head is repacked for pagedllm's kernel, so its logits are fp32 there too."""
@@ -67,6 +68,7 @@ def _top5_ours(llm: LLM, ids: list[int]) -> list[int]:
     return [token for token, _ in out.logprobs[0].top]
 
 
+@pytest.mark.slow
 def test_greedy_close_to_hf_fp32(llm, hf_smollm, hf_greedy_tokens):
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -90,6 +92,7 @@ def test_chat_answers_paris(llm):
     assert "Paris" in out.outputs[0].text, out.outputs[0].text
 
 
+@pytest.mark.slow
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, monkeypatch):
     """Decode steps take the one-call stack with the Q4_1 weights too (every row count: one-row
     tiles up to 3 rows, 4-row tiles beyond), with the per-op forward's results

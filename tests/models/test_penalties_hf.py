@@ -6,6 +6,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
+# loads HF transformers' SmolLM2 from the GGUF (about 12 s) as the reference
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
 NEW_TOKENS = 24
 

@@ -11,7 +11,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tiny_models import make_qwen3_dir  # tests/ (pytest prepends the rootdir)
+
+# a subprocess per backend, the Triton one interpreted (about 12 s)
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 

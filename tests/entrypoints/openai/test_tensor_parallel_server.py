@@ -12,6 +12,9 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from tiny_models import make_qwen3_dir  # tests/ (pytest prepends the rootdir)
 
+# a tensor-parallel server and its one-rank reference per case (10-30 s each)
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["Hello, my name is", "def add(a, b):"]
 
 

@@ -57,7 +57,7 @@ def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
 
 def children() -> set[int]:
     """This process's live child processes but multiprocessing's resource tracker. Other
-    tests' servers (the session-scoped one of tests/server) may be among them, so the tests
+    tests' servers (the session-scoped one of tests/entrypoints) may be among them, so the tests
     compare this set before and after, never against an empty set."""
     pids = set()
     for c in psutil.Process().children():
@@ -82,6 +82,7 @@ def test_tp2_qwen3_greedy_equals_tp1(qwen3_dir, qwen3_tp1):
     assert children() <= before
 
 
+@pytest.mark.slow
 def test_tp2_with_replicated_kv_head_equals_tp1(tmp_path):
     """One KV head, two ranks: both ranks hold a copy of it."""
     model = str(make_qwen3_dir(tmp_path, num_kv_heads=1))
@@ -91,6 +92,7 @@ def test_tp2_with_replicated_kv_head_equals_tp1(tmp_path):
     assert_gone(pids, timeout=0.5)
 
 
+@pytest.mark.slow
 def test_tp3_smollm2_greedy_equals_tp1(gguf_path):
     """The bundled SmolLM2: 9 heads, 3 KV heads, vocabulary 49152, split over 3 ranks."""
     prompts = PROMPTS[2:]  # 30 layers over 3 processes on 2 cores: keep it short
@@ -114,6 +116,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_ranks_started_by_hand_with_torchrun_variables_equal_tp1(tmp_path, qwen3_dir, qwen3_tp1):
     """RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set per process, as on two machines."""
     from pagedllm.distributed import free_port
@@ -146,6 +149,7 @@ def test_tp_size_that_does_not_divide_the_heads_is_rejected(gguf_path):
     assert children() <= before
 
 
+@pytest.mark.slow
 def test_failed_forward_pass_stops_the_tp_engine_but_a_failed_sampler_does_not(qwen3_dir):
     """At one rank a failing batch ends only its requests; with N ranks a forward pass that
     raises half way leaves the others inside a collective, so the engine stops instead."""
@@ -223,6 +227,7 @@ def run_script(tmp_path: Path, model: Path, mode: str, timeout_s: float = 300.0,
     return code, "".join(lines), pids
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_run_fails_the_engine_with_a_clear_error(tmp_path, qwen3_dir):
     code, out, pids = run_script(tmp_path, qwen3_dir, "kill")
     assert code == 3, out
@@ -231,6 +236,7 @@ def test_worker_killed_mid_run_fails_the_engine_with_a_clear_error(tmp_path, qwe
     assert_gone(pids)
 
 
+@pytest.mark.slow
 def test_hung_worker_times_out_instead_of_hanging(tmp_path, qwen3_dir):
     code, out, pids = run_script(tmp_path, qwen3_dir, "stop", timeout_s=5.0)
     assert code == 3, out
@@ -238,6 +244,7 @@ def test_hung_worker_times_out_instead_of_hanging(tmp_path, qwen3_dir):
     assert_gone(pids)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_process(tmp_path, qwen3_dir):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it."""
     code, out, pids = run_script(  # the script steps until interrupted: no race with its end
@@ -248,12 +255,14 @@ def test_ctrl_c_stops_every_process(tmp_path, qwen3_dir):
     assert_gone(pids)
 
 
+@pytest.mark.slow
 def test_normal_exit_without_shutdown_leaves_no_process(tmp_path, qwen3_dir):
     code, out, pids = run_script(tmp_path, qwen3_dir, "run")
     assert code == 0 and "FINISHED" in out, out
     assert_gone(pids)
 
 
+@pytest.mark.slow
 def test_rank0_killed_takes_its_workers_along(tmp_path, qwen3_dir):
     code, out, pids = run_script(
         tmp_path, qwen3_dir, "run",
@@ -292,6 +301,7 @@ def run_both(engines, fn) -> dict[int, list]:
     return {tp: fn(llm) for tp, llm in engines.items()}
 
 
+@pytest.mark.slow
 def test_tp2_chunked_prefill_of_a_long_prompt_equals_tp1(small_engines):
     prompts = [LONG_PROMPT, PROMPTS[0], PROMPTS[3]]   # decodes mix with the long prompt's chunks
     chunks, mixed = {}, {}
@@ -319,6 +329,7 @@ def test_tp2_chunked_prefill_of_a_long_prompt_equals_tp1(small_engines):
     assert mixed[2] == mixed[1] > 0
 
 
+@pytest.mark.slow
 def test_tp2_parallel_sampling_n2_seeded_equals_tp1(small_engines):
     sp = SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
     cows = {}
@@ -336,6 +347,7 @@ def test_tp2_parallel_sampling_n2_seeded_equals_tp1(small_engines):
     assert cows[2] == cows[1] > 0                # forks shared, then copied, their last block
 
 
+@pytest.mark.slow
 def test_tp2_beam_search_equals_tp1(small_engines):
     def go(llm):
         outs = llm.beam_search(PROMPTS[:2], beam_width=2, max_tokens=12, use_tqdm=False)
@@ -347,6 +359,7 @@ def test_tp2_beam_search_equals_tp1(small_engines):
         assert scores2 == pytest.approx(scores1, abs=1e-4)   # fp32 sums in another order
 
 
+@pytest.mark.slow
 def test_tp2_swap_preemption_under_a_tiny_kv_cache_equals_tp1(small_engines):
     """5 sequences of 3-4 blocks in 16 blocks: some are swapped out and back in. Each rank
     swaps its own KV shard to its own memory-mapped file."""

@@ -68,6 +68,7 @@ def _our_last_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
     return _prefill_hidden(llm, [ids], None)[-1:]
 
 
+@pytest.mark.slow
 def test_bf16_greedy_close_to_hf_bf16(llm, hf_bf16):
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -104,6 +105,7 @@ def counting_stack_steps(monkeypatch) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkeypatch):
     """bf16 decode steps run the whole layer stack as one C++ call
     (engine/cpu_decode_stack.py): the same kernels in the same order (pagedllm's packed
@@ -178,6 +180,7 @@ def test_fused_decode_stack_sees_a_hook_or_a_rebound_cache_added_after_its_first
     assert rebound == first
 
 
+@pytest.mark.slow
 def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_results(monkeypatch):
     """Rows sharing a cached 320-token prefix decode with cascade attention; the one-call
     stack then runs the prefix part too (the same attention kernel as cpu_paged's, merged by the

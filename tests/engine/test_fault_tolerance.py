@@ -79,6 +79,7 @@ def inject(llm):
     ("sampler@1", "injected fault in sampler (call 1)"),
     ("model@4", "injected fault in model (call 4)"),      # the third decode step
 ])
+@pytest.mark.slow
 def test_failing_batch_ends_its_requests_and_engine_keeps_serving(llm, inject, prompt_ids, hf_greedy,
                                                                   spec, message):
     faults = inject(spec)
@@ -96,6 +97,7 @@ def test_failing_batch_ends_its_requests_and_engine_keeps_serving(llm, inject, p
     assert_serves_hf_greedy(llm, prompt_ids, hf_greedy)
 
 
+@pytest.mark.slow
 def test_detokenizer_fault_ends_that_request_alone(llm, inject, prompt_ids, hf_greedy):
     faults = inject("detokenizer@2")   # the second request of the prefill batch
     outs = llm.generate(prompt_ids, greedy(), use_tqdm=False)
@@ -119,6 +121,7 @@ def test_fault_on_the_last_token_still_reports_an_error(llm, inject, prompt_ids)
     assert_nothing_held(llm)
 
 
+@pytest.mark.slow
 def test_prompt_marker_rule_fails_only_the_marked_request(llm, inject, prompt_ids, hf_greedy):
     faults = inject(f"detokenizer@prompt~{MARKER}")
     marked = PROMPTS[0] + f" {MARKER}"

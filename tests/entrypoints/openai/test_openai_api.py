@@ -65,6 +65,7 @@ def test_models_lists_the_served_model(client, model):
     assert model == "SmolLM2-135M-Instruct.Q4_1"
 
 
+@pytest.mark.slow
 def test_completion_equals_hf_greedy(client, model, hf_smollm, reference):
     prompt = "The capital of France is"
     r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
@@ -104,6 +105,7 @@ def test_streamed_completion_ends_with_done(server, model):
     assert len(events) >= 3
 
 
+@pytest.mark.slow
 def test_stop_string_cuts_the_text_in_both_modes(client, model, reference):
     prompt = "Once upon a time, in a small village by the sea,"
     full = greedy_text(reference, prompt, 40)
@@ -118,6 +120,7 @@ def test_stop_string_cuts_the_text_in_both_modes(client, model, reference):
     assert streamed == want
 
 
+@pytest.mark.slow
 def test_seed_gives_the_same_sampled_text_twice(client, model):
     def sample(seed: int) -> str:
         return client.completions.create(model=model, prompt="My favourite animal is",
@@ -127,6 +130,7 @@ def test_seed_gives_the_same_sampled_text_twice(client, model):
     assert any(sample(s) != first for s in (1, 2, 3)), "different seeds must sample differently"
 
 
+@pytest.mark.slow
 def test_penalties_reach_the_sampler(client, model, reference):
     prompt = "List of fruits: apple, banana, apple, banana,"
     kw = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2)
@@ -165,6 +169,7 @@ def test_completion_logprobs(client, model):
 # ---- the job API of seed 004 -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_returns_an_id_at_once_and_result_fills_in(server, reference):
     prompt = "The three primary colors are"
     r = httpx.post(server.url + "/generate",
@@ -192,6 +197,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_streams_are_batched_and_each_is_correct(server, model, reference):
     lengths = [8 + 2 * i for i in range(len(PROMPTS))]
     want = [out.text for out in reference.generate(

@@ -99,6 +99,7 @@ def guarded(start_server):
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+@pytest.mark.slow
 def test_api_key_is_required_except_for_health(guarded):
     body = {"prompt": "Hi", "max_tokens": 2}
     assert_error(post(guarded.url, body), 401, "API key")
@@ -111,11 +112,13 @@ def test_api_key_is_required_except_for_health(guarded):
         client.models.list()
 
 
+@pytest.mark.slow
 def test_oversized_body_is_413_before_parsing(guarded):
     big = '{"prompt": "' + "x" * 8000 + '"}'
     assert_error(post(guarded.url, big, headers=AUTH), 413, "4096")
 
 
+@pytest.mark.slow
 def test_full_waiting_queue_is_503_with_retry_after(guarded):
     """max_num_seqs=1, max_waiting_requests=1: one request runs, one waits, the third is refused."""
     long = {"prompt": "Count: one, two,", "max_tokens": 400, "ignore_eos": True, "stream": True}

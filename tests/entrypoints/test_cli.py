@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ENV = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
 BASE = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
 ENGINE = ["--dtype", "float32", "--kv-cache-memory-bytes", str(64 * 2**20)]
@@ -21,6 +23,7 @@ def test_generate_prints_the_completion():
     assert r.stdout.startswith("The capital of France is Paris")
 
 
+@pytest.mark.slow
 def test_chat_answers_and_exits():
     r = run(["chat", "--max-tokens", "16", *ENGINE], stdin="What is the capital of France?\n/exit\n")
     assert r.returncode == 0, r.stderr

@@ -5,6 +5,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+# HF's greedy replies (one prompt at a time) and several engines (about 4 min)
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 48
 
 RAW_PROMPTS = [
