@@ -77,7 +77,8 @@ def load() -> ModuleType | None:
         else:
             logger.info("building the C++ CPU kernels for this machine (about a minute, once; "
                         "cached in %s)", build_dir)
-        wait_for_other_builder(build_dir / "lock")
+        if not (build_dir / f"{name}.so").exists():  # (newer torch leaves its lock file)
+            wait_for_other_builder(build_dir / "lock")
         _ext = build_and_load(name=name, sources=[str(s) for s in _sources()],
                               build_directory=str(build_dir), extra_cflags=_CFLAGS,
                               extra_ldflags=_LDFLAGS,
