@@ -6,13 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-<<<<<<< HEAD
 from types import SimpleNamespace
-=======
-from pagedllm import cpu_ops
-from pagedllm.layers import linear as linear_mod
-from test_small_linear import check_against_float64  # tests/kernels (pytest prepends rootdir)
->>>>>>> tests-tiers
 
 from pagedllm.kernels import build, ops, probes
 from pagedllm.layers.linear_methods import (OneDNNLinearMethod, PackedBf16LinearMethod,
