@@ -49,6 +49,10 @@ class LinearBase(LinearLayer, nn.Module):
         return self.linear_method.apply(self, x, self.bias)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (e.g. an MoE router: every rank routes every token)."""
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks."""
 

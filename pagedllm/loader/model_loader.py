@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm import memory
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import LinearLayer
+from pagedllm.layers.moe import FusedMoE
 from pagedllm.layers.quantized import keep_q4_1
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.registry import model_class
@@ -46,10 +47,13 @@ def build_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def process_weights_after_loading(model: nn.Module, log: bool = True) -> None:
-    """Each linear layer picks its method for its loaded weight, which may pack it."""
+    """Each linear layer picks its method for its loaded weight, which may pack it; each
+    MoE layer picks how its experts' projections are computed."""
     layers = [m for m in model.modules() if isinstance(m, LinearLayer)]
     for layer in layers:
         layer.process_weights_after_loading()
+    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        moe.process_weights_after_loading()
     packed = [m for m in layers if m.packed_weight is not None]
     ours = sum(m.linear_method.owns_packing for m in packed)
     if packed and log:

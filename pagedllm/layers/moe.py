@@ -1,0 +1,152 @@
+"""Mixture-of-experts: top-k routing and the experts' SiLU-gated MLPs (Qwen2/3-MoE, Mixtral).
+
+The experts' weights are stacked, each expert's contiguous: w13 [E, 2 * I, H] holds an
+expert's gate rows then its up rows, w2 [E, H, I] its down projection. Tensor parallelism
+splits every expert's intermediate dimension across ranks (gate/up rows, down columns),
+as MergedColumnParallelLinear and RowParallelLinear split a dense MLP, and all-reduces the
+partial sums.
+
+A step's tokens are grouped by expert: each expert that any token routes to runs once, on
+all of its tokens' rows, so its weights are read once per step however many tokens chose
+it (decode steps are bound by reading weights).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
+from pagedllm.kernels import ops, probes
+from pagedllm.layers.activation import SiluAndMul
+
+ExpertLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# which part of an expert a checkpoint tensor holds (gate_up: gate rows then up rows)
+EXPERT_SHARDS = ("gate", "up", "gate_up", "down")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts and their fp32 weights: softmax over all experts in fp32,
+    top-k (torch.topk on the same fp32 probabilities as HF transformers, so ties pick the
+    same experts), then, with renormalize, the chosen k weights scaled to sum to 1."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _streaming_bf16_linear(max_rows: int) -> ExpertLinear:
+    """x w^T through the weight-streaming kernel up to max_rows rows, else F.linear."""
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= max_rows:
+            return ops.small_linear_bf16(x if x.stride(1) == 1 else x.contiguous(), w)
+        return F.linear(x, w)
+    return linear
+
+
+def select_expert_linear(weight: torch.Tensor) -> ExpertLinear:
+    """How an expert's projections are computed, for the loaded stacked weight: bf16 on a
+    CPU that runs the weight-streaming kernel takes it for few rows; everything else
+    (fp32, which must stay HF transformers' F.linear, and CUDA) takes F.linear."""
+    if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and probes.has_avx512_bf16()):
+        return _streaming_bf16_linear(probes.small_linear_rows())
+    return F.linear
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:  # copy_ would broadcast one expert over all of them
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit the "
+                         f"experts' {what} of shape {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE block. forward takes the block's input rows and the
+    router's logits for them (the router is a replicated linear the model holds)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int,
+                 intermediate_size: int, renormalize: bool,
+                 weights_in_fp32: bool = False) -> None:
+        """weights_in_fp32: scale the experts' outputs by the fp32 routing weights (Mixtral
+        in HF transformers) instead of the weights rounded to the activations' dtype
+        (Qwen2/3-MoE)."""
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"the experts' intermediate size {intermediate_size} does not "
+                             f"split over {self.tp_size} tensor-parallel ranks")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize, self.weights_in_fp32 = renormalize, weights_in_fp32
+        self.intermediate_size = intermediate_size // self.tp_size  # per rank
+        i = self.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+        self.act_fn = SiluAndMul()
+        self.linear: ExpertLinear = F.linear
+
+    def process_weights_after_loading(self) -> None:
+        self.linear = select_expert_linear(self.w13)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None,
+                      shard: str) -> None:
+        """Copy this rank's part of a checkpoint tensor: one expert's [rows, cols] (expert
+        is its id) or every expert's, stacked [E, rows, cols] (expert None). shard names
+        the part: "gate", "up", "gate_up" (both, gate rows first) or "down"."""
+        if shard not in EXPERT_SHARDS:
+            raise ValueError(f"unknown expert shard {shard!r}; expected one of {EXPERT_SHARDS}")
+        if (shard == "down") != (param is self.w2):
+            raise ValueError(f"an expert's {shard} projection does not belong in this parameter")
+        dst = param.data if expert is None else param.data[expert]
+        i, rank = self.intermediate_size, self.tp_rank
+        full = i * self.tp_size * (2 if shard == "gate_up" else 1)
+        if loaded.shape[-1 if shard == "down" else -2] != full:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                             f"the experts' {shard} projection (intermediate size "
+                             f"{i * self.tp_size})")
+        if shard == "down":
+            _copy(dst, loaded.narrow(-1, rank * i, i), "down projection")
+        elif shard == "gate_up":
+            gate, up = loaded.chunk(2, dim=-2)
+            _copy(dst.narrow(-2, 0, i), gate.narrow(-2, rank * i, i), "gate projection")
+            _copy(dst.narrow(-2, i, i), up.narrow(-2, rank * i, i), "up projection")
+        else:
+            offset = 0 if shard == "gate" else i
+            _copy(dst.narrow(-2, offset, i), loaded.narrow(-2, rank * i, i), f"{shard} projection")
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if not self.weights_in_fp32:
+            weights = weights.to(x.dtype)
+        # the (token, expert) pairs sorted by expert: each expert's tokens are a run
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        tokens = order // self.top_k
+        pair_weights = weights.flatten()[order].unsqueeze(1)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            y = self._expert(expert, x.index_select(0, rows))
+            out.index_add_(0, rows, (y * pair_weights[start:start + count]).to(x.dtype))
+            start += count
+        if self.tp_size > 1:
+            all_reduce(out)
+        return out
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's MLP, down(silu(gate(x)) * up(x)), over the rows routed to it."""
+        h = self.act_fn.forward(self.linear(x, self.w13[expert]))
+        return self.linear(h, self.w2[expert])

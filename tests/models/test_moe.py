@@ -1,0 +1,193 @@
+"""Mixture-of-experts: the FusedMoE layer against a per-token float64 reference, its
+grouping of tokens by expert, its weight loaders and tensor-parallel split."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.distributed import set_tp
+from pagedllm.kernels import probes
+from pagedllm.layers.moe import FusedMoE, select_experts
+
+E, H, I = 8, 64, 48  # experts, hidden size, each expert's intermediate size
+
+
+def random_experts(seed: int, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(E, *shape, generator=gen) * scale
+            for name, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
+
+
+def load_per_expert(layer: FusedMoE, experts: dict[str, torch.Tensor]) -> None:
+    """As an HF checkpoint holds them: one [rows, cols] tensor per expert and projection."""
+    for e in range(E):
+        for shard, tensor in experts.items():
+            param = layer.w2 if shard == "down" else layer.w13
+            param.weight_loader(param, tensor[e].to(param.dtype), e, shard)
+
+
+def build(experts: dict[str, torch.Tensor], top_k: int = 2, renormalize: bool = True,
+          dtype: torch.dtype = torch.float32, weights_in_fp32: bool = False) -> FusedMoE:
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = FusedMoE(E, top_k, H, I, renormalize, weights_in_fp32)
+    finally:
+        torch.set_default_dtype(default)
+    load_per_expert(layer, experts)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def per_token_reference(x: torch.Tensor, logits: torch.Tensor,
+                        experts: dict[str, torch.Tensor], top_k: int,
+                        renormalize: bool) -> torch.Tensor:
+    """Each token through its top-k experts one by one, in float64."""
+    gate, up, down = (experts[n].double() for n in ("gate", "up", "down"))
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t, (row, row_logits) in enumerate(zip(x.double(), logits.double())):
+        weights, ids = torch.softmax(row_logits, -1).topk(top_k)
+        if renormalize:
+            weights = weights / weights.sum()
+        for w, e in zip(weights, ids.tolist()):
+            h = F.silu(gate[e] @ row) * (up[e] @ row)
+            out[t] += w * (down[e] @ h)
+    return out
+
+
+def inputs(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, H, generator=gen), torch.randn(tokens, E, generator=gen) * 2
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("top_k,renormalize", [(2, True), (2, False), (1, False), (3, True)])
+def test_fp32_layer_matches_per_token_float64_reference(tokens, top_k, renormalize):
+    experts = random_experts(tokens + top_k)
+    x, logits = inputs(tokens, tokens)
+    layer = build(experts, top_k, renormalize)
+    ours = layer(x, logits)
+    assert ours.dtype == torch.float32
+    ref = per_token_reference(x, logits, experts, top_k, renormalize)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 40])  # decode-sized (streaming kernel) and more
+@pytest.mark.parametrize("weights_in_fp32", [False, True])
+def test_bf16_layer_matches_per_token_float64_reference(tokens, weights_in_fp32):
+    experts = {n: t.bfloat16().float() for n, t in random_experts(7).items()}
+    x, logits = inputs(tokens + 100, tokens)
+    x = x.bfloat16()
+    layer = build(experts, dtype=torch.bfloat16, weights_in_fp32=weights_in_fp32)
+    ours = layer(x, logits)
+    assert ours.dtype == torch.bfloat16
+    ref = per_token_reference(x, logits, experts, 2, True)
+    # bf16 products of bf16 inputs are exact; the roundings are of the gate/up outputs,
+    # the SiLU product, the down output and the weighted sum: a few bf16 ulps
+    torch.testing.assert_close(ours.double(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_bf16_few_rows_take_the_weight_streaming_kernel(monkeypatch):
+    if not probes.has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 here: bf16 experts take F.linear")
+    from pagedllm.kernels import ops
+    calls: list[int] = []
+    kernel = ops.small_linear_bf16
+    monkeypatch.setattr(ops, "small_linear_bf16",
+                        lambda x, w: calls.append(len(x)) or kernel(x, w))
+    layer = build({n: t for n, t in random_experts(3).items()}, dtype=torch.bfloat16)
+    x, logits = inputs(4, 3)
+    layer(x.bfloat16(), logits)
+    assert calls and all(rows <= 3 for rows in calls)
+
+
+def count_expert_calls(layer: FusedMoE, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    expert = layer._expert
+    monkeypatch.setattr(layer, "_expert", lambda e, x: calls.append(e) or expert(e, x))
+    return calls
+
+
+def test_each_expert_is_computed_once_per_forward_however_many_tokens_route_to_it(monkeypatch):
+    experts = random_experts(11)
+    layer = build(experts)
+    calls = count_expert_calls(layer, monkeypatch)
+    x, _ = inputs(12, 16)
+    logits = torch.full((16, E), -4.0)
+    logits[:, 0] = 5.0  # every token's first choice: expert 0
+    logits[torch.arange(16), 1 + torch.arange(16) % 3] = 3.0  # second: experts 1, 2 or 3
+    ours = layer(x, logits)
+    assert sorted(calls) == [0, 1, 2, 3]
+    torch.testing.assert_close(ours.double(), per_token_reference(x, logits, experts, 2, True),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_experts_no_token_routes_to_are_not_computed(monkeypatch):
+    layer = build(random_experts(13))
+    calls = count_expert_calls(layer, monkeypatch)
+    x, logits = inputs(14, 1)
+    layer(x, logits)
+    assert sorted(calls) == sorted(select_experts(logits, 2, True)[1][0].tolist())
+
+
+def test_routing_ties_pick_hf_transformers_experts():
+    """Equal probabilities: torch.topk on the same fp32 softmax picks what HF picks."""
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5, 2.0, 0.0, 1.0]])
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    hf_weights, hf_ids = torch.topk(probs, 2, dim=-1)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+    weights, _ = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5]]))
+
+
+def test_stacked_and_fused_checkpoint_tensors_load_like_per_expert_ones():
+    """GGUF's stacked [E, rows, cols] experts and transformers 5's fused gate_up tensor fill
+    the same parameters as one tensor per expert and projection."""
+    experts = random_experts(5)
+    per_expert = build(experts)
+    stacked = FusedMoE(E, 2, H, I, True)
+    for shard, tensor in experts.items():
+        param = stacked.w2 if shard == "down" else stacked.w13
+        param.weight_loader(param, tensor, None, shard)
+    fused = FusedMoE(E, 2, H, I, True)
+    fused.w13.weight_loader(fused.w13, torch.cat([experts["gate"], experts["up"]], 1), None,
+                            "gate_up")
+    fused.w2.weight_loader(fused.w2, experts["down"], None, "down")
+    for layer in (stacked, fused):
+        assert torch.equal(layer.w13, per_expert.w13) and torch.equal(layer.w2, per_expert.w2)
+
+
+def test_loader_rejects_tensors_of_the_wrong_shape():
+    layer = FusedMoE(E, 2, H, I, True)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.w13.weight_loader(layer.w13, torch.zeros(I, H), None, "gate")  # one for all
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.w2.weight_loader(layer.w2, torch.zeros(H, I + 1), 0, "down")
+    with pytest.raises(ValueError, match="does not belong"):
+        layer.w2.weight_loader(layer.w2, torch.zeros(I, H), 0, "gate")
+
+
+def test_tensor_parallel_ranks_split_each_experts_intermediate_dimension():
+    """Two ranks' layers hold halves of every expert's gate/up rows and down columns; their
+    partial outputs sum to the whole expert's."""
+    experts = random_experts(17)
+    full = build(experts)
+    ranks = []
+    try:
+        for rank in range(2):
+            set_tp(rank, 2)
+            ranks.append(build(experts))
+    finally:
+        set_tp(0, 1)
+    half = I // 2
+    for r, layer in enumerate(ranks):
+        assert layer.w13.shape == (E, 2 * half, H) and layer.w2.shape == (E, H, half)
+        torch.testing.assert_close(layer.w13[:, :half], experts["gate"][:, r * half:(r + 1) * half])
+        torch.testing.assert_close(layer.w13[:, half:], experts["up"][:, r * half:(r + 1) * half])
+        torch.testing.assert_close(layer.w2, experts["down"][:, :, r * half:(r + 1) * half])
+    x, _ = inputs(18, 6)
+    for e in range(E):
+        torch.testing.assert_close(ranks[0]._expert(e, x) + ranks[1]._expert(e, x),
+                                   full._expert(e, x), rtol=1e-5, atol=1e-6)
