@@ -6,9 +6,11 @@ splits every expert's intermediate dimension across ranks (gate/up rows, down co
 as MergedColumnParallelLinear and RowParallelLinear split a dense MLP, and all-reduces the
 partial sums.
 
-A step's tokens are grouped by expert: each expert that any token routes to runs once, on
-all of its tokens' rows, so its weights are read once per step however many tokens chose
-it (decode steps are bound by reading weights).
+On the CPU a step's tokens are grouped by expert: each expert that any token routes to
+runs once, on all of its tokens' rows, so its weights are read once per step however many
+tokens chose it (decode steps are bound by reading weights). Grouping needs the counts on
+the host; a CUDA decode step replayed from a graph (engine/cuda_graph.py) cannot wait for
+them, so on CUDA every expert runs on every row and routing weights of 0 drop its output.
 """
 from __future__ import annotations
 
@@ -96,6 +98,8 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.linear = select_expert_linear(self.w13)
+        # an instance attribute: calls go straight to the chosen method
+        self.forward = self.forward_grouped if self.w13.is_cpu else self.forward_dense
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None,
                       shard: str) -> None:
@@ -124,9 +128,17 @@ class FusedMoE(nn.Module):
             _copy(dst.narrow(-2, offset, i), loaded.narrow(-2, rank * i, i), f"{shard} projection")
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for each row of x (before loading: grouped)."""
+        return self.forward_grouped(x, router_logits)
+
+    def _routing(self, x: torch.Tensor, router_logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if not self.weights_in_fp32:
-            weights = weights.to(x.dtype)
+        return (weights if self.weights_in_fp32 else weights.to(x.dtype)), ids
+
+    def forward_grouped(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Each routed-to expert once, over the rows routed to it."""
+        weights, ids = self._routing(x, router_logits)
         # the (token, expert) pairs sorted by expert: each expert's tokens are a run
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
@@ -142,6 +154,19 @@ class FusedMoE(nn.Module):
             y = self._expert(expert, x.index_select(0, rows))
             out.index_add_(0, rows, (y * pair_weights[start:start + count]).to(x.dtype))
             start += count
+        if self.tp_size > 1:
+            all_reduce(out)
+        return out
+
+    def forward_dense(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Every expert over every row, weighted by the rows' routing weights (0 where a row
+        did not choose it): no host synchronisation, for CUDA graphs."""
+        weights, ids = self._routing(x, router_logits)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype,
+                            device=x.device).scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            out += (self._expert(expert, x) * dense[:, expert:expert + 1]).to(x.dtype)
         if self.tp_size > 1:
             all_reduce(out)
         return out
