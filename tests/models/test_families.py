@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from family_harness import (SETTINGS, Built, Family, assert_bf16_close, build, hf_greedy,
+from family_harness import (Built, Family, assert_bf16_close, build, greedy, hf_greedy,
                             max_logit_error, prompt_ids, run_engine)
 from pagedllm import LLM
 
@@ -89,3 +89,35 @@ def test_greedy_matches_hf(models, family, fmt, setting):
 def test_bf16_close_to_hf_bf16(models, family):
     built, prompts, _ = models(family)
     assert_bf16_close(built, "hf", prompts)
+
+
+def test_an_all_sliding_model_holds_kv_for_its_window_only(models, monkeypatch):
+    """Mistral (window 12, blocks of 16): a 200-token generation frees the blocks that fall
+    out of every layer's window, so it never holds more than cdiv(12, 16) + 1 blocks (+1
+    for the block being filled); outputs still equal HF's."""
+    from pagedllm.engine.block_manager import FREED_BLOCK, BlockManager
+    built, prompts, _ = models("mistral")
+    held = []
+    real = BlockManager.allocate_slots
+
+    def allocate_slots(self, seq, num_new_tokens):
+        copies = real(self, seq, num_new_tokens)
+        held.append(sum(b != FREED_BLOCK for b in seq.block_table))
+        return copies
+
+    monkeypatch.setattr(BlockManager, "allocate_slots", allocate_slots)
+    llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+              block_size=16, check_invariants=True)
+    assert llm.engine.scheduler.block_manager.sliding_window == 12
+    out = llm.generate([prompts[2]], greedy(200), use_tqdm=False)[0]
+    assert len(prompts[2]) + 200 > 10 * 16
+    assert max(held[1:]) <= 3, held          # after the prompt's own step
+    assert out.token_ids == hf_greedy(built.hf, [prompts[2]], 200)[0]
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_interleaved_or_global_models_keep_every_block(models):
+    built, _, _ = models("qwen2")
+    llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=4 * 2**20)
+    assert llm.engine.scheduler.block_manager.sliding_window is None
