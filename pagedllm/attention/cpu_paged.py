@@ -28,6 +28,8 @@ from pagedllm.attention import torch_native
 from pagedllm.attention.context import Context
 from pagedllm.kernels import ops, probes
 
+FEATURES = torch_native.FEATURES
+
 # Rows with at most this many new tokens over a cached prefix run in the kernel.
 MAX_KERNEL_QUERY_LEN = 32
 # Cascade attention pays when enough rows share a long enough prefix.
@@ -267,10 +269,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
+              v_cache: torch.Tensor, ctx: Context, scale: float, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """Same contract as torch_native.attention."""
-    if not k_cache.numel():  # no cache bound (profiling runs): nothing to read in place
-        return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale)
+    if not k_cache.numel() or window is not None or softcap is not None:
+        # no cache bound (profiling runs): nothing to read in place; windows and soft-caps:
+        # torch's path (the kernels attend over every cached token, uncapped)
+        return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
     ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     # q is a view into the step's qkv projection: the kernel reads it in place (a copy cost
     # 21 us per layer at 64 rows); the output is contiguous.

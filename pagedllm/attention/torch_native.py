@@ -2,6 +2,11 @@
 
 Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
 k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+
+A layer may have a window (a query at position p sees keys p - window + 1 .. p) and a
+soft-cap (each score s becomes cap * tanh(s / cap) before the softmax), as Mistral's and
+Gemma's layers do. Block-table entries whose blocks lie wholly before a row's window may be
+-1 (freed); they are never read.
 """
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.context import Context
+
+# What this backend's attention() takes besides the plain causal attention.
+FEATURES = frozenset({"sliding_window", "logit_softcap"})
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -24,7 +32,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
     # index_select copies whole blocks ~5x faster than cache[table] (measured).
-    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:num_tokens]
+    return cache.index_select(0, block_table[:num_blocks].clamp_min(0)).flatten(0, 1)[:num_tokens]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -40,19 +48,49 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return o[0].transpose(0, 1)
 
 
+def causal_mask(len_q: int, len_k: int, window: int | None) -> torch.Tensor:
+    """[len_q, len_k]: which keys each of the last len_q of len_k positions sees."""
+    q_pos = torch.arange(len_k - len_q, len_k)[:, None]
+    k_pos = torch.arange(len_k)[None, :]
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """q [Lq, H, D] over k/v [Lk, Hkv, D] with a [Lq, Lk] mask; soft-capped scores take the
+    math path in fp32 (SDPA has no soft-cap)."""
+    if softcap is None:
+        return _sdpa(q, k, v, scale, mask=mask)
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def new_tokens_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of a prompt (nothing cached before it) over its own tokens."""
+    if window is None and softcap is None:
+        return _sdpa(q, k, v, scale, causal=True)
+    return _attend(q, k, v, scale, causal_mask(len(q), len(q), window), softcap)
+
+
 def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, len_k: int, scale: float) -> torch.Tensor:
+                            block_table: torch.Tensor, len_k: int, scale: float,
+                            window: int | None = None, softcap: float | None = None
+                            ) -> torch.Tensor:
     """One sequence's len_q new tokens (already stored) over all its len_k cached tokens."""
-    len_q = q.shape[0]
     keys, values = gather_kv(k_cache, block_table, len_k), gather_kv(v_cache, block_table, len_k)
-    # Query j sits at position len_k - len_q + j and sees keys up to there.
-    mask = torch.ones(len_q, len_k, dtype=torch.bool).tril(diagonal=len_k - len_q)
-    return _sdpa(q, keys, values, scale, mask=mask)
+    return _attend(q, keys, values, scale, causal_mask(q.shape[0], len_k, window), softcap)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, ctx: Context, scale: float,
-                      first_row: int = 0) -> torch.Tensor:
+                      v_cache: torch.Tensor, ctx: Context, scale: float, first_row: int = 0,
+                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each packed prompt (or chunk) over its cached prefix and its new
     tokens. q, k, v hold the tokens of rows first_row.. of the context."""
     assert ctx.seqlens_q is not None and ctx.seqlens_k is not None
@@ -62,17 +100,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         len_q, len_k = ctx.seqlens_q[i], ctx.seqlens_k[i]
         end = start + len_q
         if len_k == len_q:  # nothing cached: attend over the new tokens themselves
-            out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], scale, causal=True)
+            out[start:end] = new_tokens_attention(q[start:end], k[start:end], v[start:end], scale,
+                                                  window, softcap)
         else:
             assert ctx.block_tables is not None
             out[start:end] = cached_prefix_attention(q[start:end], k_cache, v_cache,
-                                                     ctx.block_tables[i], len_k, scale)
+                                                     ctx.block_tables[i], len_k, scale,
+                                                     window, softcap)
         start = end
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     ctx: Context, scale: float) -> torch.Tensor:
+                     ctx: Context, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """One new token per sequence attends to its context_lens cached tokens via the block
     table (the first len(q) rows of the context)."""
     assert ctx.block_tables is not None and ctx.context_lens is not None
@@ -81,7 +122,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     keys = k_cache[tables].flatten(1, 2)                         # [B, max_len, Hkv, D]
     values = v_cache[tables].flatten(1, 2)
     max_len = tables.shape[1] * block_size
-    valid = torch.arange(max_len) < ctx.context_lens[:len(q), None]  # [B, max_len]
+    lens = ctx.context_lens[:len(q), None]
+    valid = torch.arange(max_len) < lens  # [B, max_len]
+    if window is not None:
+        valid &= torch.arange(max_len) >= lens - window
+    if softcap is not None:
+        return torch.stack([_attend(q[i:i + 1], keys[i], values[i], scale, valid[i:i + 1], softcap)[0]
+                            for i in range(len(q))])
     o = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2),
                                        values.transpose(1, 2), attn_mask=valid[:, None, None, :],
                                        scale=scale, enable_gqa=True)
@@ -89,14 +136,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
+              v_cache: torch.Tensor, ctx: Context, scale: float, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     if k_cache.numel():
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
     if not ctx.is_prefill:
-        return decode_attention(q, k_cache, v_cache, ctx, scale)
+        return decode_attention(q, k_cache, v_cache, ctx, scale, window, softcap)
     d = ctx.num_decodes  # a mixed batch: decode rows first, one token each
     if d == 0:
-        return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale)
-    return torch.cat([decode_attention(q[:d], k_cache, v_cache, ctx, scale),
+        return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale, 0, window, softcap)
+    return torch.cat([decode_attention(q[:d], k_cache, v_cache, ctx, scale, window, softcap),
                       prefill_attention(q[d:], k[d:], v[d:], k_cache, v_cache, ctx, scale,
-                                        first_row=d)])
+                                        d, window, softcap)])

@@ -4,6 +4,11 @@ As in nano-vllm (seed 000): a full block is identified by a chained xxhash64 ove
 (previous block's hash, its token ids); a hash hit is accepted only when the stored token
 ids match. Free blocks keep their hash, so a later request can revive them; the free list
 is ordered least-recently-freed first, which makes reuse of cached blocks LRU.
+
+With a sliding window on every layer, a sequence's leading blocks that lie wholly before
+the window of its next new token are freed as it grows: their block-table entries become
+FREED_BLOCK (-1), so a long generation holds about window / block_size + 1 blocks. Freed
+blocks keep their hash: another request with the same prefix can still revive them.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import xxhash
 
 from pagedllm.engine.sequence import Sequence
 from pagedllm.utils import cdiv
+
+FREED_BLOCK = -1  # a block-table entry whose block fell out of the sliding window
 
 
 class Block:
@@ -50,10 +57,12 @@ def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # set only when every layer has this window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         # Insertion order = order of freeing; the first key is the next block to (re)use.
@@ -178,6 +187,8 @@ class BlockManager:
             self._allocate_cached_prefix(seq)
         bs, table = self.block_size, seq.block_table
         start = seq.num_computed_tokens
+        if self.sliding_window is not None:
+            self._free_out_of_window(seq, start)
         end = start + num_new_tokens
         assert 0 < end <= len(seq), f"{seq}: cannot compute {num_new_tokens} more tokens"
         assert len(table) <= start // bs + 1, f"{seq} holds blocks beyond its computed tokens"
@@ -190,6 +201,23 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, start // bs, end // bs)
         return copies
+
+    def _free_out_of_window(self, seq: Sequence, start: int) -> None:
+        """Drop the blocks wholly before the window of the token at position start (and so
+        of every later one). Freed entries form a prefix of the table: walk back from the
+        last dead block to the first entry already freed."""
+        table = seq.block_table
+        i = min(len(table), max(0, start - self.sliding_window + 1) // self.block_size) - 1
+        while i >= 0 and table[i] != FREED_BLOCK:
+            self._unref(table[i])
+            table[i] = FREED_BLOCK
+            i -= 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._release_block(block_id)
 
     def _allocate_cached_prefix(self, seq: Sequence) -> None:
         hashes, cached = self._plan(seq)
@@ -246,17 +274,16 @@ class BlockManager:
         """Let child share every block of parent (ref counts + 1); they are copied on write."""
         assert not child.block_table
         for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
+            if block_id != FREED_BLOCK:
+                self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop the sequence's references, last block first: tail blocks are the least
         shareable, so they are freed (and later evicted) first."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._release_block(block_id)
+            if block_id != FREED_BLOCK:
+                self._unref(block_id)
         seq.num_cached_tokens = seq.num_computed_tokens = 0
         seq.block_table.clear()
 
@@ -265,7 +292,7 @@ class BlockManager:
         left their KV unwritten; blocks other sequences hold keep theirs."""
         for block_id in seq.block_table:
             block = self.blocks[block_id]
-            if block.ref_count == 1 and block.hash != -1:
+            if block_id != FREED_BLOCK and block.ref_count == 1 and block.hash != -1:
                 if self.hash_to_block_id.get(block.hash) == block_id:
                     del self.hash_to_block_id[block.hash]
                 block.hash, block.token_ids = -1, []
@@ -280,6 +307,8 @@ class BlockManager:
         for seq in seqs:
             n = len(seq)
             for i, block_id in enumerate(seq.block_table):
+                if block_id == FREED_BLOCK:
+                    continue
                 held = max(0, min(bs, n - i * bs))
                 fill[block_id] = max(fill.get(block_id, 0), held)
         return sum(fill.values()), len(fill) * bs
@@ -294,7 +323,8 @@ class BlockManager:
         refs = [0] * len(self.blocks)
         for seq in seqs:
             for block_id in seq.block_table:
-                refs[block_id] += 1
+                if block_id != FREED_BLOCK:
+                    refs[block_id] += 1
         for block in self.blocks:
             i = block.block_id
             if block.ref_count != refs[i]:
@@ -316,6 +346,11 @@ class BlockManager:
                                      f"{len(seq.block_table)} blocks")
             prefix = -1
             for j, block_id in enumerate(seq.block_table):
+                if block_id == FREED_BLOCK:  # the chain goes on through the tokens' hashes
+                    if self.sliding_window is None:
+                        raise AssertionError(f"{seq}: freed block {j} without a sliding window")
+                    prefix = compute_hash(seq.block(j), prefix) if prefix != -1 or j == 0 else -1
+                    continue
                 block = self.blocks[block_id]
                 if block.hash == -1:
                     prefix = -1

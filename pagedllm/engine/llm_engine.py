@@ -100,7 +100,9 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             preemption_mode=config.preemption_mode,
-            num_swap_blocks=self.model_runner.num_swap_blocks)
+            num_swap_blocks=self.model_runner.num_swap_blocks,
+            sliding_window=(source.config.sliding_window if source.config.all_layers_sliding
+                            else None))
         self.requests: dict[str, _RequestState] = {}
         self.last_step = StepStats()
         self.num_prompt_tokens = 0        # computed (not cached) prompt tokens, lifetime

@@ -32,6 +32,7 @@ from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, default_num_threads, sigint_deferred
 from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.loader.model_loader import Q4_1Weights, build_model
@@ -131,10 +132,10 @@ class ModelRunner:
                                  log=self.rank == 0)
         self.attention_backend = resolve_backend(self.config.attention_backend, self.device.type,
                                                  self.block_size, self.dtype)
-        impl = load_backend(self.attention_backend).attention
+        backend = load_backend(self.attention_backend)
         for module in self.model.modules():
-            if hasattr(module, "k_cache") and hasattr(module, "impl"):
-                module.impl = impl
+            if isinstance(module, Attention):
+                module.bind_backend(backend)
         if self.rank == 0:
             logger.info("loaded %s (%s, %d layers) in %.1f s; attention backend: %s",
                         mc.name or mc.architecture, str(self.dtype).removeprefix("torch."),

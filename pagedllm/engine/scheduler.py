@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.block_manager import FREED_BLOCK, BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.swap import SwapPool
 from pagedllm.utils import cdiv
@@ -70,13 +70,15 @@ class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 preemption_mode: str = "recompute", num_swap_blocks: int = 0) -> None:
+                 preemption_mode: str = "recompute", num_swap_blocks: int = 0,
+                 sliding_window: int | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.eos_token_ids = set(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+                                          sliding_window)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
@@ -224,7 +226,8 @@ class Scheduler:
             self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if (allow_swap and self.preemption_mode == "swap"
+        # (a sequence whose window freed blocks is recomputed: the swap pool moves whole tables)
+        if (allow_swap and self.preemption_mode == "swap" and FREED_BLOCK not in seq.block_table
                 and len(seq.block_table) <= self.swap_pool.num_free_blocks):
             self._swap_out_seq(seq)
             return

@@ -1,4 +1,10 @@
-"""Rotary position embedding, half-rotation layout (rotate_half), with a cos/sin cache."""
+"""Rotary position embedding, half-rotation layout (rotate_half), with a cos/sin cache.
+
+Scalings: "linear" (positions divided by a factor), "llama3" (long wavelengths stretched),
+"longrope" (Phi-3: per-frequency short or long factors, the long ones where a sequence has
+grown past the original context, as HF switches them per forward pass). A rotary_dim below
+head_dim rotates only each head's first rotary_dim dims (partial rotary).
+"""
 from __future__ import annotations
 
 import math
@@ -7,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.attention.context import get_context
 from pagedllm.kernels import ops
 from pagedllm.layers.custom_op import uses_cpu_kernels
 
@@ -38,24 +45,59 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), -1)
 
 
+def _cos_sin_caches(inv_freq: torch.Tensor, max_position: int, scale: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.arange(max_position, dtype=torch.int64).float()
+    freqs = t[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _longrope(head_dim: int, base: float, max_position: int, scaling: dict[str, Any]
+              ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """(short inv_freq, long inv_freq, cos/sin scale, original context) of LongRoPE."""
+    original = int(scaling["original_max_position_embeddings"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * base ** exponents)
+                   for k in ("short_factor", "long_factor"))
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return short, long, float(attention_factor), original
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
-                 rope_scaling: dict[str, Any] | None = None) -> None:
+                 rope_scaling: dict[str, Any] | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, base)
+        self.rotary_dim = rotary_dim = rotary_dim or head_dim
+        self.partial = rotary_dim != head_dim
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        self.long_after: int | None = None  # LongRoPE: the original context
+        inv_freq = _inv_freq(rotary_dim, base)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)  # type: ignore[arg-type]
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
+        elif rope_type == "longrope":
+            inv_freq, long_inv_freq, scale, self.long_after = _longrope(
+                rotary_dim, base, max_position, rope_scaling)  # type: ignore[arg-type]
+            long_cos, long_sin = _cos_sin_caches(long_inv_freq, max_position, scale)
+            self.register_buffer("long_cos_cache", long_cos, persistent=False)
+            self.register_buffer("long_sin_cache", long_sin, persistent=False)
         elif rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = t[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+                             f"(supported: default, linear, llama3, longrope)")
+        cos, sin = _cos_sin_caches(inv_freq, max_position,
+                                   scale if rope_type == "longrope" else 1.0)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         # chosen once: an instance attribute, no per-call check
-        self.rotate = self.rotate_cpu if uses_cpu_kernels() else self.rotate_native
+        plain = not self.partial and self.long_after is None
+        self.rotate = self.rotate_cpu if uses_cpu_kernels() and plain else self.rotate_native
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,14 +105,21 @@ class RotaryEmbedding(nn.Module):
         positions tensor, so they are looked up once per step, not once per layer."""
         memo = self._memo
         if memo is None or memo[0] is not positions or memo[1] != dtype:
-            cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
-            sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
-            memo = self._memo = (positions, dtype, cos, sin)
+            cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+            if self.long_after is not None:
+                long = (_row_lengths(positions) > self.long_after)[:, None]
+                cos = torch.where(long, self.long_cos_cache[positions], cos)
+                sin = torch.where(long, self.long_sin_cache[positions], sin)
+            memo = self._memo = (positions, dtype, cos.unsqueeze(1).to(dtype),
+                                 sin.unsqueeze(1).to(dtype))
         return memo[2], memo[3]
 
     def rotate_native(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by its positions [T] (q and k heads may come together)."""
         cos, sin = self.cos_sin(positions, x.dtype)
+        if self.partial:
+            rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+            return torch.cat((rot * cos + rotate_half(rot) * sin, rest), -1)
         return x * cos + rotate_half(x) * sin
 
     def rotate_cpu(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -84,3 +133,15 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] rotated by their positions [T]."""
         return self.rotate(positions, q), self.rotate(positions, k)
+
+
+def _row_lengths(positions: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence length in this step (its row's cached + new tokens), from the
+    step's attention context; without one (a plain forward), the batch's longest."""
+    ctx = get_context()
+    if ctx.seqlens_q is not None and ctx.seqlens_k is not None:
+        lens = torch.tensor(ctx.seqlens_k)
+        return lens.repeat_interleave(torch.tensor(ctx.seqlens_q))
+    if ctx.context_lens is not None and len(ctx.context_lens) == len(positions):
+        return ctx.context_lens
+    return (positions.max() + 1).expand(len(positions))

@@ -23,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.registry import GGUF_ARCHITECTURES
 
 from .dequant import dequantize, q4_1_parts
 from .errors import ModelLoadError, naming_errors
@@ -32,7 +33,7 @@ from .gguf_tokenizer import tokenizer_from_gguf
 from .source import ModelSource
 from .validate import check_weight_shapes
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 
 # llama.cpp per-layer tensor name -> HF per-layer module path
 _LAYER_TENSORS = {
@@ -40,6 +41,7 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3 keeps q, k and v fused
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
@@ -55,8 +57,13 @@ _GLOBAL_TENSORS = {
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
+# per-architecture differences from _LAYER_TENSORS
+_ARCH_LAYER_TENSORS = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, as in Phi-3's checkpoints
+}
 # tensors a GGUF may carry that have no HF weight: consumed while building the config
-_CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight"})
+_CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
+                                  "rope_factors_short.weight"})
 
 
 # ============================================================================ public API
@@ -76,7 +83,7 @@ def load_gguf(path: str) -> ModelSource:
         config = config_from_metadata(metadata, reader, path)
     with naming_errors(path, "invalid tokenizer"):
         tokenizer = tokenizer_from_gguf(metadata)
-    names = _hf_names(reader, path)
+    names = _hf_names(reader, metadata["general.architecture"], path)
     check_weight_shapes({names[t.name]: _hf_shape(t) for t in reader.tensors if names[t.name]},
                         config, path)
     weight_names = [hf for hf in names.values() if hf is not None]
@@ -106,11 +113,11 @@ def open_gguf(path: str) -> GGUFReader:
             f"{type(exc).__name__}: {exc}") from exc
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """The HF name of a llama.cpp tensor name, or None if it has no HF equivalent we know."""
     if match := _LAYER_NAME.fullmatch(name):
         layer, kind, suffix = match.groups()
-        module = _LAYER_TENSORS.get(kind)
+        module = _ARCH_LAYER_TENSORS.get(arch, {}).get(kind) or _LAYER_TENSORS.get(kind)
         return f"model.layers.{layer}.{module}.{suffix}" if module else None
     if match := _GLOBAL_NAME.fullmatch(name):
         module = _GLOBAL_TENSORS.get(match.group(1))
@@ -146,10 +153,14 @@ _GENERAL_KEY_TYPES: dict[str, type | tuple[type, type]] = {
 _ARCH_KEY_TYPES: dict[str, type] = {
     **{k: int for k in ("vocab_size", "context_length", "embedding_length", "feed_forward_length",
                         "block_count", "attention.head_count", "attention.head_count_kv",
-                        "attention.key_length", "rope.scaling.original_context_length")},
+                        "attention.key_length", "rope.scaling.original_context_length",
+                        "rope.dimension_count", "attention.sliding_window", "expert_count",
+                        "expert_used_count", "expert_feed_forward_length",
+                        "expert_shared_feed_forward_length")},
     **{k: float for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor",
                           "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
-                          "rope.scaling.attn_factor")},
+                          "rope.scaling.attn_factor", "attn_logit_softcapping",
+                          "final_logit_softcapping")},
     "rope.scaling.type": str,
 }
 
@@ -226,27 +237,52 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
     hidden = _require_positive(metadata, key("embedding_length"), path)
     heads = _require_positive(metadata, key("attention.head_count"), path)
     kv_heads = int(metadata.get(key("attention.head_count_kv")) or heads)
+    head_dim = int(metadata.get(key("attention.key_length")) or hidden // heads)
     tensor_names = {t.name for t in reader.tensors}
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    o_bias = "blk.0.attn_output.bias" in tensor_names
     return ModelConfig(
-        architecture=arch,
+        architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=_vocab_size(metadata, arch, path),
         hidden_size=hidden,
         intermediate_size=_require_positive(metadata, key("feed_forward_length"), path),
         num_hidden_layers=_require_positive(metadata, key("block_count"), path),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=int(metadata.get(key("attention.key_length")) or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(metadata.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
         rope_theta=float(metadata.get(key("rope.freq_base"), 10000.0)),
         rope_scaling=_rope_scaling(metadata, arch, reader, path),
         max_position_embeddings=int(metadata.get(key("context_length")) or 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_bias=o_bias,
+        qkv_bias=not o_bias and ("blk.0.attn_q.bias" in tensor_names
+                                 or "blk.0.attn_qkv.bias" in tensor_names),
+        sliding_window=metadata.get(key("attention.sliding_window")) or None,
+        partial_rotary_factor=int(metadata.get(key("rope.dimension_count")) or head_dim) / head_dim,
+        attn_logit_softcapping=metadata.get(key("attn_logit_softcapping")),
+        final_logit_softcapping=metadata.get(key("final_logit_softcapping")),
+        **_moe_fields(metadata, arch),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         name=metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0],
     )
+
+
+def _moe_fields(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    experts = int(metadata.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(metadata.get(f"{arch}.expert_used_count") or 2),
+        "moe_intermediate_size": int(metadata.get(f"{arch}.expert_feed_forward_length")
+                                     or metadata[f"{arch}.feed_forward_length"]),
+        # llama.cpp renormalises the top-k weights of Mixtral ("llama") and Qwen3-MoE
+        "norm_topk_prob": arch in ("llama", "qwen3moe"),
+        "shared_expert_intermediate_size": int(
+            metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+    }
 
 
 def _vocab_size(metadata: dict[str, Any], arch: str, path: str) -> int:
@@ -265,6 +301,9 @@ def _rope_scaling(metadata: dict[str, Any], arch: str, reader: GGUFReader, path:
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         return _llama3_scaling_from_freqs(metadata, arch, freqs, path)
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        return _longrope_scaling(metadata, arch, factors, path)
     kind = metadata.get(f"{arch}.rope.scaling.type")
     factor = metadata.get(f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or factor is None or float(factor) == 1.0:
@@ -277,6 +316,28 @@ def _rope_scaling(metadata: dict[str, Any], arch: str, reader: GGUFReader, path:
                              ("attn_factor", "attention_factor")):
         if (value := metadata.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:
             scaling[hf_key] = float(value)
+    return scaling
+
+
+def _longrope_scaling(metadata: dict[str, Any], arch: str, factors: dict[str, Any],
+                      path: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE from llama.cpp's ``rope_factors_{long,short}`` tensors."""
+    def values(name: str) -> list[float]:
+        tensor = factors.get(f"rope_factors_{name}.weight")
+        if tensor is None:
+            raise ModelLoadError(f"{path!r}: has a rope_factors tensor but no rope_factors_{name}")
+        return dequantize(tensor.data, tensor.tensor_type, [int(tensor.n_elements)],
+                          tensor.name).tolist()
+
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if not original:
+        raise ModelLoadError(f"{path!r}: LongRoPE factors need "
+                             f"{arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": "longrope", "long_factor": values("long"),
+                               "short_factor": values("short"),
+                               "original_max_position_embeddings": int(original)}
+    if (attn_factor := metadata.get(f"{arch}.rope.scaling.attn_factor")) is not None:
+        scaling["attention_factor"] = float(attn_factor)
     return scaling
 
 
@@ -325,11 +386,11 @@ def llama3_rope_divisors(scaling: dict[str, Any], theta: float, dim: int) -> tor
 
 # ============================================================================ weights
 
-def _hf_names(reader: GGUFReader, path: str) -> dict[str, str | None]:
+def _hf_names(reader: GGUFReader, arch: str, path: str) -> dict[str, str | None]:
     """GGUF tensor name -> HF name (None for tensors only used for the config)."""
     names: dict[str, str | None] = {}
     for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None and tensor.name not in _CONFIG_ONLY_TENSORS:
             raise ModelLoadError(f"{path!r}: tensor {tensor.name!r} has no counterpart in the supported "
                                  f"architectures ({', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -366,7 +427,7 @@ def _iter_q4_1(reader: GGUFReader, names: dict[str, str | None], config: ModelCo
 
 
 def _to_hf_layout(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
-    if config.architecture != "llama":
+    if config.architecture not in ("llama", "mistral"):
         return weight
     if ".attn_q." in name:
         return unpermute_rope_rows(weight, config.num_attention_heads)

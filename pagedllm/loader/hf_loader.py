@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.registry import HF_ARCHITECTURES, HF_MODEL_TYPES, QKV_BIAS_ARCHITECTURES
 from pagedllm.tokenizer import Tokenizer
 
 from .errors import ModelLoadError, naming_errors
@@ -17,9 +18,6 @@ from .hf_tokenizer import tokenizer_from_hf_dir
 from .source import ModelSource
 from .validate import check_weight_shapes
 
-# HF architecture class / model_type -> ModelConfig.architecture
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-_MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3"}
 _INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtypes a weight may have (integers or bools would be cast silently)
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -74,7 +72,7 @@ def config_from_hf(hf: dict[str, Any], path: str, has_lm_head: bool = True) -> M
         return value
 
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    rope_theta, rope_scaling = _rope(hf)
+    rope_theta, rope_scaling, rope_extra = _rope(hf)
     eos = hf.get("eos_token_id")
     return ModelConfig(
         architecture=arch,
@@ -91,10 +89,46 @@ def config_from_hf(hf: dict[str, Any], path: str, has_lm_head: bool = True) -> M
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)) or not has_lm_head,
         attention_bias=bool(hf.get("attention_bias", False)),
+        qkv_bias=arch in QKV_BIAS_ARCHITECTURES,
+        hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
+        sliding_window=_sliding_window(hf),
+        layer_types=hf.get("layer_types"),
+        partial_rotary_factor=float(rope_extra.get("partial_rotary_factor")
+                                    or hf.get("partial_rotary_factor") or 1.0),
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+        attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+        rope_local_theta=rope_extra.get("rope_local_theta"),
+        **_moe_fields(hf),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
         name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
     )
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window, where the config turns it on (Qwen2 sets one but use_sliding_window False)."""
+    if hf.get("use_sliding_window") is False:
+        return None
+    return int(hf["sliding_window"]) if hf.get("sliding_window") else None
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Mixture-of-experts fields (4.x and 5.x names; Mixtral's experts are intermediate_size
+    wide and renormalise their top-k weights)."""
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    mixtral = "num_local_experts" in hf and "moe_intermediate_size" not in hf
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 2),
+        "moe_intermediate_size": int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", mixtral)),
+        "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
+        "decoder_sparse_step": int(hf.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": [int(i) for i in hf.get("mlp_only_layers") or []],
+    }
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -146,25 +180,38 @@ def _read_config(path: str) -> dict[str, Any]:
 def _architecture(hf: dict[str, Any], path: str) -> str:
     names = hf.get("architectures")
     for name in names if isinstance(names, list) else []:
-        if isinstance(name, str) and name in _ARCHITECTURES:
-            return _ARCHITECTURES[name]
+        if isinstance(name, str) and name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
     model_type = hf.get("model_type")
-    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+    if isinstance(model_type, str) and model_type in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[model_type]
     found = hf.get("architectures") or hf.get("model_type")
     raise ModelLoadError(f"{path!r}: unsupported architecture {str(found)[:80]!r} "
-                         f"(supported: {', '.join(_ARCHITECTURES)})")
+                         f"(supported: {', '.join(HF_ARCHITECTURES)})")
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, HF-style rope_scaling) from 4.x ``rope_theta``/``rope_scaling`` or 5.x ``rope_parameters``."""
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, dict[str, Any]]:
+    """(rope_theta, HF-style rope_scaling, other rope fields) from 4.x ``rope_theta`` /
+    ``rope_scaling`` or 5.x ``rope_parameters``, which Gemma 3 keys by layer type (its
+    sliding layers' base is the other fields' ``rope_local_theta``)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    extra: dict[str, Any] = {}
+    if "full_attention" in params:  # per layer type
+        local = params.get("sliding_attention") or {}
+        extra["rope_local_theta"] = local.get("rope_theta")
+        params = dict(params["full_attention"])
+    elif hf.get("rope_local_base_freq"):
+        extra["rope_local_theta"] = float(hf["rope_local_base_freq"])
+    if "partial_rotary_factor" in params:
+        extra["partial_rotary_factor"] = params.pop("partial_rotary_factor")
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
     kind = params.pop("rope_type", None) or params.pop("type", None)
     params.pop("type", None)
     if kind in (None, "default"):
-        return theta, None
-    return theta, {"rope_type": kind, **params}
+        return theta, None, extra
+    if kind == "longrope" and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings")
+    return theta, {"rope_type": kind, **params}, extra
 
 
 def _tensor_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:

@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import torch
 
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.registry import model_class
 
 from .errors import ModelLoadError
 
@@ -26,30 +27,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight a Llama / Qwen3 checkpoint must hold."""
-    h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
-    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_rows, h), p + "self_attn.k_proj.weight": (kv_rows, h),
-            p + "self_attn.v_proj.weight": (kv_rows, h), p + "self_attn.o_proj.weight": (h, q_rows),
-            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn),
-        })
-        if config.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
-                           p + "self_attn.v_proj.bias": (kv_rows,), p + "self_attn.o_proj.bias": (h,)})
-        if config.architecture == "qwen3":
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-    return shapes
+    """HF name -> shape of every weight a checkpoint of config's architecture must hold."""
+    return model_class(config).checkpoint_shapes(config)  # type: ignore[attr-defined]
 
 
 def check_weight_shapes(declared: Mapping[str, Sequence[int]], config: ModelConfig, path: str) -> None:

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2) and, with q/k norms, Qwen3.
+"""Llama-family decoder: Llama 2/3 and SmolLM2; with per-layer windows, Mistral; with q/k/v
+biases, Qwen2 / Qwen2.5; with q/k norms, Qwen3 (models/qwen3.py). Other families reuse its
+parts (models/phi3.py).
 
 Inside a layer, submodules are run through .forward(): nn.Module.__call__'s hook handling
 costs about 1 ms of a 16 ms single-stream decode step (12 calls x 30 layers, measured), and
@@ -31,18 +33,21 @@ def _copy_weight(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer: int, qk_norm: bool,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hd = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.attention_bias)
+                                          config.num_key_value_heads,
+                                          bias=config.attention_bias or config.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         self.head_dim = hd
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
                                         bias=config.attention_bias)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, hd, config.attention_scale, self.num_kv_heads,
+                              config.layer_window(layer), config.attn_logit_softcapping)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
 
@@ -86,9 +91,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer: int, qk_norm: bool,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, qk_norm, rotary_emb)
+        self.self_attn = DecoderAttention(config, layer, qk_norm, rotary_emb)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -115,9 +121,9 @@ class DecoderModel(nn.Module):
         # One rotary embedding for all layers (its cos/sin lookup is then done once per step),
         # owned by this model: built on this model's device, never shared with another model.
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                     config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, rotary_emb)
-                                    for _ in range(config.num_hidden_layers))
+                                     config.rope_theta, config.rope_scaling, config.rotary_dim)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qk_norm, rotary_emb)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -155,6 +161,48 @@ class LlamaForCausalLM(nn.Module):
 
     # forward() takes keep_rows (see DecoderModel.forward)
     computes_kept_rows = True
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every tensor a checkpoint of this model must hold."""
+        h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
+        q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (config.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, h)
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.o_proj.weight": (h, q_rows),
+            })
+            shapes.update(cls.qkv_shapes(p + "self_attn.", config))
+            shapes.update(cls.mlp_shapes(p + "mlp.", h, ffn))
+            if config.attention_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if cls.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (hd,),
+                               p + "self_attn.k_norm.weight": (hd,)})
+        return shapes
+
+    @staticmethod
+    def qkv_shapes(prefix: str, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        h, hd = config.hidden_size, config.head_dim
+        q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        shapes = {prefix + "q_proj.weight": (q_rows, h), prefix + "k_proj.weight": (kv_rows, h),
+                  prefix + "v_proj.weight": (kv_rows, h)}
+        if config.attention_bias or config.qkv_bias:
+            shapes.update({prefix + "q_proj.bias": (q_rows,), prefix + "k_proj.bias": (kv_rows,),
+                           prefix + "v_proj.bias": (kv_rows,)})
+        return shapes
+
+    @staticmethod
+    def mlp_shapes(prefix: str, hidden: int, ffn: int) -> dict[str, tuple[int, ...]]:
+        return {prefix + "gate_proj.weight": (ffn, hidden), prefix + "up_proj.weight": (ffn, hidden),
+                prefix + "down_proj.weight": (hidden, ffn)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pagedllm.engine.block_manager import BlockManager, compute_hash
+from pagedllm.engine.block_manager import FREED_BLOCK, BlockManager, compute_hash
 from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 
@@ -285,3 +285,48 @@ def test_kv_usage_counts_shared_blocks_once():
     b.append_token(3)
     bm.allocate_slots(b, 1)             # copy on write of the last block
     assert bm.kv_usage([a, b]) == (10 + 3, 16)
+
+
+def _decode_steps(bm: BlockManager, seqs: list[Sequence], steps: int) -> None:
+    """Each step: slots for every sequence's newest token, then its next token appended."""
+    for step in range(steps):
+        for seq in seqs:
+            bm.allocate_slots(seq, len(seq) - seq.num_computed_tokens)
+            seq.num_computed_tokens = len(seq)
+            seq.append_token(1000 + step)
+        bm.check_invariants(seqs)
+
+
+def test_a_sliding_window_frees_blocks_that_fall_out_of_it():
+    """Window 6, blocks of 4: the token at position p needs keys p-5..p, so a block is
+    freed once every key in it is older than that; freed blocks keep their hash."""
+    bm = BlockManager(16, BS, sliding_window=6)
+    seq = make_seq(list(range(10)))
+    allocate(bm, seq)
+    seq.num_computed_tokens = len(seq)
+    seq.append_token(99)
+    _decode_steps(bm, [seq], 20)   # positions 10..29
+    live = [b for b in seq.block_table if b != FREED_BLOCK]
+    assert len(seq.block_table) == 8 and len(live) <= 3
+    # the last query (position 29) needs keys 24..29: blocks 6 and 7 only
+    assert seq.block_table[:5] == [FREED_BLOCK] * 5
+    assert bm.num_free_blocks == 16 - len(live)
+    assert bm.num_cached_free_blocks >= 5          # still revivable by their hash
+    bm.deallocate(seq)
+    assert bm.num_free_blocks == 16
+
+
+def test_forks_share_a_window_and_free_their_own_references():
+    bm = BlockManager(16, BS, sliding_window=6)
+    parent = make_seq(list(range(9)))
+    allocate(bm, parent)
+    parent.num_computed_tokens = len(parent)
+    parent.append_token(99)
+    _decode_steps(bm, [parent], 3)
+    child = parent.fork()
+    bm.fork(parent, child)
+    _decode_steps(bm, [parent, child], 12)
+    bm.deallocate(parent)
+    bm.check_invariants([child])
+    bm.deallocate(child)
+    assert bm.num_free_blocks == 16 and all(b.ref_count == 0 for b in bm.blocks)

@@ -1,0 +1,206 @@
+"""What every model family's tests share: a tiny random model built with transformers' own
+class (every feature of the family on), saved as an HF directory and written as a GGUF
+(tests/gguf_from_hf.py); prompts long enough to pass the windows and short contexts the
+families set; HF's greedy replies; our engine's logits and replies under the settings
+that must never change them (prefix caching, preemption, chunked prefill)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gguf_from_hf import MetadataHook, write_gguf
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention.context import get_context, reset_context
+from pagedllm.engine.sequence import Sequence
+from pagedllm.loader import load_model_source
+
+NEW_TOKENS = 32
+# 8 prompts, 5 to ~70 tokens: the longer ones pass the tiny models' windows (8-16 tokens)
+# and Phi-3's short context (48)
+PROMPT_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+    "every morning rowed out past the lighthouse and came back at noon with",
+    "北京是中国的首都，上海是",
+    "import numpy as np\n\n# compute the mean of every column of a matrix and print it "
+    "rounded to two decimals, then the standard deviation of every row\n",
+    "Q: What is 17 * 23?\nA:",
+    "The library opens at nine in the morning and closes at six in the evening from Monday "
+    "to Friday; on Saturday it closes at one. Members may borrow up to eight books for "
+    "three weeks, and renew them twice unless",
+    "A list of colours: red, green, blue, yellow, orange, purple, pink, brown, black, white,",
+]
+
+
+@dataclass
+class Family:
+    """A model family's tiny test model."""
+
+    name: str
+    hf_class: str                 # transformers class, e.g. "Qwen2ForCausalLM"
+    config_class: str             # e.g. "Qwen2Config"
+    gguf_arch: str                # llama.cpp's general.architecture
+    config: dict[str, Any]        # config kwargs beyond the tiny sizes
+    gguf_hook: MetadataHook | None = None
+    gguf_transform: Callable[[str, Any], Any] | None = None
+    init: Callable[[torch.nn.Module], None] | None = None  # weights away from HF's init
+    sizes: dict[str, Any] = field(default_factory=lambda: dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512))
+
+
+@dataclass
+class Built:
+    family: Family
+    hf: torch.nn.Module           # fp32, eval
+    hf_dir: Path
+    gguf: Path
+
+    def path(self, fmt: str) -> str:
+        return str(self.hf_dir if fmt == "hf" else self.gguf)
+
+
+def _spread_norms(model: torch.nn.Module) -> None:
+    """Norm weights away from their init so that the norms (and 1 + w variants) matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+
+
+def build(family: Family, root: Path) -> Built:
+    import transformers
+    tokenizer = load_model_source(None).tokenizer      # the bundled model's, any would do
+    hf_dir = root / family.name
+    tokenizer.save_pretrained(str(hf_dir))
+    torch.manual_seed(0)
+    config = getattr(transformers, family.config_class)(
+        vocab_size=tokenizer.vocab_size, eos_token_id=2, bos_token_id=1,
+        **{**family.sizes, **family.config})
+    model = getattr(transformers, family.hf_class)(config).float().eval()
+    _spread_norms(model)
+    if family.init is not None:
+        family.init(model)
+    model.save_pretrained(str(hf_dir))
+    gguf = write_gguf(model, family.gguf_arch, root / f"{family.name}.gguf", family.gguf_hook,
+                      family.gguf_transform)
+    return Built(family, model, hf_dir, gguf)
+
+
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [tok.encode(p) for p in PROMPT_TEXTS]
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]],
+              new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """HF's greedy continuation of each prompt, one at a time (no padding)."""
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=2)
+        out.append(seq[0, len(ids):].tolist())
+    return out
+
+
+def greedy(n: int = NEW_TOKENS, logprobs: int | None = None) -> SamplingParams:
+    # min_tokens bans EOS exactly as HF's min_new_tokens does, so every reply is n long
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, logprobs=logprobs)
+
+
+def engine_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits of every prompt position, through our paged prefill path."""
+    engine = llm.engine
+    bm, runner = engine.scheduler.block_manager, engine.model_runner
+    seq = Sequence(token_ids, SamplingParams(), engine.config.block_size)
+    bm.allocate_slots(seq, len(seq) - bm.num_reusable_tokens(seq))
+    try:
+        with torch.inference_mode():
+            input_ids, positions = runner.prepare_inputs([seq], [seq.num_uncomputed_tokens])
+            logits = runner.model.compute_logits(runner.model(input_ids, positions))
+    finally:
+        reset_context()
+        bm.deallocate(seq)
+    return logits
+
+
+def kv_bytes_for_blocks(built: Built, blocks: int, block_size: int = 16,
+                        dtype_bytes: int = 4) -> int:
+    """kv_cache_memory_bytes that hold exactly `blocks` blocks of this model."""
+    c = built.hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_block = 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * head_dim
+    return blocks * per_block * dtype_bytes
+
+
+# engine settings that must never change greedy outputs (fp32), by test id
+SETTINGS: dict[str, Callable[[Built], dict[str, Any]]] = {
+    "prefix-cache": lambda b: dict(enable_prefix_caching=True),
+    "no-prefix-cache": lambda b: dict(enable_prefix_caching=False),
+    # 24 blocks of 16 tokens for 8 sequences of up to ~100 tokens: some are preempted
+    "preempt": lambda b: dict(kv_cache_memory_bytes=kv_bytes_for_blocks(b, 24),
+                              max_model_len=256),
+    # 13-token chunks: their edges fall inside the 8-16 token windows
+    "chunked": lambda b: dict(max_num_batched_tokens=13, max_num_seqs=4, max_model_len=256),
+}
+
+
+def run_engine(built: Built, fmt: str, setting: str, prompts: list[list[int]]) -> tuple[LLM, list]:
+    options = dict(dtype="float32", kv_cache_memory_bytes=32 * 2**20, max_model_len=512,
+                   check_invariants=True)
+    options.update(SETTINGS[setting](built))
+    llm = LLM(built.path(fmt), **options)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    if setting == "prefix-cache":  # again: the prompts' full blocks now come from the cache
+        hits = llm.engine.scheduler.block_manager.num_hit_tokens
+        again = llm.generate(prompts, greedy(), use_tqdm=False)
+        assert llm.engine.scheduler.block_manager.num_hit_tokens > hits
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    if setting == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0, "the setting must force preemption"
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return llm, outs
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def assert_bf16_close(built: Built, fmt: str, prompts: list[list[int]]) -> None:
+    """vLLM's closeness rule: at the first token where our bf16 greedy reply and HF's bf16
+    one differ, each side's token is among the other's top-5."""
+    hf = type(built.hf).from_pretrained(str(built.hf_dir), dtype=torch.bfloat16).eval()
+    theirs = hf_greedy(hf, prompts)
+    llm = LLM(built.path(fmt), dtype="bfloat16", kv_cache_memory_bytes=32 * 2**20,
+              max_model_len=512)
+    outs = llm.generate(prompts, greedy(logprobs=5), use_tqdm=False)
+    for ids, out, ref in zip(prompts, outs, theirs):
+        ours = out.token_ids
+        i = first_difference(ours, ref)
+        if i is None:
+            continue
+        our_top5 = {t for t, _ in out.outputs[0].logprobs[i].top}
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + ref[:i]])).logits[0, -1].float()
+        their_top5 = set(logits.topk(5).indices.tolist())
+        assert ref[i] in our_top5 and ours[i] in their_top5, (
+            f"prompt {ids[:6]}...: token {i} ours {ours[i]} (top-5 {sorted(our_top5)}) vs HF "
+            f"{ref[i]} (top-5 {sorted(their_top5)})")
+
+
+def max_logit_error(llm: LLM, model: torch.nn.Module, prompts: list[list[int]]) -> float:
+    err = 0.0
+    for ids in prompts:
+        ours = engine_logits(llm, ids)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0]
+        err = max(err, (ours.float() - ref).abs().max().item())
+    assert math.isfinite(err)
+    return err

@@ -1,0 +1,99 @@
+"""Write a transformers model as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does:
+tensor names from the `gguf` package's own maps (gguf.get_tensor_name_map), its metadata
+keys, its per-architecture transforms (the Q/K row permutation of "llama" models, Gemma's
+norms stored as 1 + weight, experts stacked into 3-D tensors), the bundled model's
+tokenizer, and every tensor in float32 (so logits can be compared with HF's to 1e-4).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import torch
+
+from pagedllm.loader import default_model_path
+from pagedllm.loader.gguf_loader import open_gguf
+from pagedllm.loader.gguf_metadata import read_metadata
+
+# a family's hook: (writer, HF config) -> None, for metadata beyond the common keys
+MetadataHook = Callable[[gguf.GGUFWriter, Any], None]
+
+
+def llama_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation (HF rotate-half pairs -> interleaved pairs)."""
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def add_bundled_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The bundled SmolLM2 GGUF's tokenizer and chat template (the HF directories the tests
+    save use the same tokenizer)."""
+    meta = read_metadata(open_gguf(default_model_path()))
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    for key in ("bos", "eos", "unknown", "padding"):
+        if (value := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
+            getattr(writer, f"add_{'unk' if key == 'unknown' else 'pad' if key == 'padding' else key}"
+                    f"_token_id")(value)
+    if template := meta.get("tokenizer.chat_template"):
+        writer.add_chat_template(template)
+
+
+def _common_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if "rope_theta" in rope else getattr(config, "rope_theta", 10000.0)
+    writer.add_rope_freq_base(float(theta))
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        writer.add_sliding_window(window)
+
+
+def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
+               metadata_hook: MetadataHook | None = None,
+               transform: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Path:
+    """model's weights and config as a GGUF of architecture `arch` (llama.cpp's name)."""
+    path, config = Path(path), model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    _common_metadata(writer, config)
+    if metadata_hook is not None:
+        metadata_hook(writer, config)
+    add_bundled_tokenizer(writer)
+    tensor_map = gguf.get_tensor_name_map(
+        next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch),
+        config.num_hidden_layers)
+    tied = getattr(config, "tie_word_embeddings", False)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            continue
+        gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise KeyError(f"gguf has no {arch} name for {name!r}")
+        data = tensor.float().numpy()
+        if arch == "llama" and gguf_name.endswith("attn_q.weight"):
+            data = llama_permute(data, config.num_attention_heads)
+        elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
+            data = llama_permute(data, config.num_key_value_heads)
+        if transform is not None:
+            data = transform(gguf_name, data)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
