@@ -7,7 +7,7 @@ tokenizer, and every tensor in float32 (so logits can be compared with HF's to 1
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import gguf
 import numpy as np
@@ -62,6 +62,31 @@ def _common_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) is not False:
         writer.add_sliding_window(window)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # what convert_hf_to_gguf.py writes for Mixtral, Qwen2-MoE and Qwen3-MoE
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if ffn := getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(ffn)
+        if shared := getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(shared)
+
+
+def _checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors under names the gguf maps know. transformers 5 holds each MoE
+    block's experts fused (mlp.experts.gate_up_proj [E, 2 * I, H], down_proj [E, H, I]);
+    convert_hf_to_gguf.py writes them as stacked gate, up and down tensors, the layout it
+    also stacks 4.x's per-expert tensors into."""
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=-2)
+            experts = name.removesuffix("gate_up_proj")
+            yield experts + "gate_proj.weight", gate
+            yield experts + "up_proj.weight", up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name + ".weight", tensor
+        else:
+            yield name, tensor
 
 
 def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
@@ -78,7 +103,7 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
         next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch),
         config.num_hidden_layers)
     tied = getattr(config, "tie_word_embeddings", False)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _checkpoint_tensors(model):
         if name == "lm_head.weight" and tied:
             continue
         gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))

@@ -7,11 +7,11 @@ kernels: RMSNorm, the linears' methods, rotary, store_kv, paged attention, SiLU-
 the same order on the same tensors, so its results are the same bit for bit. It saves the
 Python and torch dispatch around ~12 ops a layer: about 1 ms a step at one row.
 
-It applies to Llama-structured layers (no q/k norms, biases or tensor parallelism) on the
-cpu_paged backend, with bf16 weights or GGUF Q4_1 ones. Its per-model arguments are
-gathered once (~0.65 ms) and checked each step by identity (~12 us), so a forward hook put
-on a layer (the step then runs op by op, and the hook fires), a cache rebound or a weight
-repacked since is seen. `enforce_eager=True` turns it off.
+It applies to Llama-structured layers (a dense MLP, no q/k norms, biases or tensor
+parallelism) on the cpu_paged backend, with bf16 weights or GGUF Q4_1 ones. Its per-model
+arguments are gathered once (~0.65 ms) and checked each step by identity (~12 us), so a
+forward hook put on a layer (the step then runs op by op, and the hook fires), a cache
+rebound or a weight repacked since is seen. `enforce_eager=True` turns it off.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pagedllm.kernels import ops, probes
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantized import is_q4_1
-from pagedllm.models.llama import DecoderLayer, DecoderModel
+from pagedllm.models.llama import MLP, DecoderLayer, DecoderModel
 
 
 class _StackArgs:
@@ -53,7 +53,8 @@ class _StackArgs:
         """The arguments, or None where the stack does not apply."""
         layers, linears, weights, attns = list(model.layers), [], [], []
         for layer in layers:
-            if type(layer) is not DecoderLayer or ops.has_forward_hooks(layer):
+            if (type(layer) is not DecoderLayer or type(layer.mlp) is not MLP
+                    or ops.has_forward_hooks(layer)):
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             if (attn.q_norm is not None or attn.qkv_proj.bias is not None

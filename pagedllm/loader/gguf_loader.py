@@ -49,6 +49,16 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, every expert's projection stacked [E, rows, cols]
+    # (split per expert: {e} is the expert's index), the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -60,7 +70,13 @@ _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 # per-architecture differences from _LAYER_TENSORS
 _ARCH_LAYER_TENSORS = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, as in Phi-3's checkpoints
+    # a "llama" with experts is Mixtral: its checkpoints' names
+    "llama": {"ffn_gate_inp": "block_sparse_moe.gate",
+              "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+              "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+              "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
 }
+_PER_EXPERT = "{e}"
 # tensors a GGUF may carry that have no HF weight: consumed while building the config
 _CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
                                   "rope_factors_short.weight"})
@@ -84,9 +100,10 @@ def load_gguf(path: str) -> ModelSource:
     with naming_errors(path, "invalid tokenizer"):
         tokenizer = tokenizer_from_gguf(metadata)
     names = _hf_names(reader, metadata["general.architecture"], path)
-    check_weight_shapes({names[t.name]: _hf_shape(t) for t in reader.tensors if names[t.name]},
-                        config, path)
-    weight_names = [hf for hf in names.values() if hf is not None]
+    shapes = dict(kv for t in reader.tensors if names[t.name]
+                  for kv in _split_experts(names[t.name], _hf_shape(t)))
+    check_weight_shapes(shapes, config, path)
+    weight_names = list(shapes)
 
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         return _iter_weights(reader, names, config, dtype, path)
@@ -162,6 +179,7 @@ _ARCH_KEY_TYPES: dict[str, type] = {
                           "rope.scaling.attn_factor", "attn_logit_softcapping",
                           "final_logit_softcapping")},
     "rope.scaling.type": str,
+    "expert_weights_norm": bool,
 }
 
 
@@ -241,8 +259,9 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
     tensor_names = {t.name for t in reader.tensors}
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     o_bias = "blk.0.attn_output.bias" in tensor_names
+    moe = _moe_fields(metadata, arch)
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture="mixtral" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
         vocab_size=_vocab_size(metadata, arch, path),
         hidden_size=hidden,
         intermediate_size=_require_positive(metadata, key("feed_forward_length"), path),
@@ -262,7 +281,7 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
         partial_rotary_factor=int(metadata.get(key("rope.dimension_count")) or head_dim) / head_dim,
         attn_logit_softcapping=metadata.get(key("attn_logit_softcapping")),
         final_logit_softcapping=metadata.get(key("final_logit_softcapping")),
-        **_moe_fields(metadata, arch),
+        **moe,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         name=metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0],
@@ -270,16 +289,21 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
 
 
 def _moe_fields(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Mixture-of-experts fields (llama.cpp's MoE architectures have experts in every layer:
+    no mlp_only_layers or decoder_sparse_step)."""
     experts = int(metadata.get(f"{arch}.expert_count") or 0)
     if not experts:
         return {}
+    renormalize = metadata.get(f"{arch}.expert_weights_norm")
     return {
         "num_experts": experts,
         "num_experts_per_tok": int(metadata.get(f"{arch}.expert_used_count") or 2),
         "moe_intermediate_size": int(metadata.get(f"{arch}.expert_feed_forward_length")
                                      or metadata[f"{arch}.feed_forward_length"]),
-        # llama.cpp renormalises the top-k weights of Mixtral ("llama") and Qwen3-MoE
-        "norm_topk_prob": arch in ("llama", "qwen3moe"),
+        # where the file does not say, llama.cpp renormalises the top-k weights of Mixtral
+        # ("llama") and Qwen3-MoE, not Qwen2-MoE's
+        "norm_topk_prob": (arch in ("llama", "qwen3moe") if renormalize is None
+                           else bool(renormalize)),
         "shared_expert_intermediate_size": int(
             metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
     }
@@ -398,6 +422,14 @@ def _hf_names(reader: GGUFReader, arch: str, path: str) -> dict[str, str | None]
     return names
 
 
+def _split_experts(hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """A stacked experts tensor [E, rows, cols] as its E per-expert names and shapes; any
+    other tensor as itself."""
+    if _PER_EXPERT not in hf_name:
+        return [(hf_name, shape)]
+    return [(hf_name.replace(_PER_EXPERT, str(e)), shape[1:]) for e in range(shape[0])]
+
+
 def _hf_shape(tensor: Any) -> tuple[int, ...]:
     """A GGUF tensor's logical shape in HF (row-major) order: GGUF's ``ne`` reversed."""
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -411,15 +443,21 @@ def _iter_weights(reader: GGUFReader, names: dict[str, str | None], config: Mode
             continue
         with naming_errors(path, "cannot read weights"):
             weight = dequantize(tensor.data, tensor.tensor_type, _hf_shape(tensor), tensor.name)
-            weight = _to_hf_layout(weight, tensor.name, config)
-        yield hf_name, weight.to(dtype)
+            weight = _to_hf_layout(weight, tensor.name, config).to(dtype)
+        if _PER_EXPERT in hf_name:
+            for expert, part in enumerate(weight):
+                yield hf_name.replace(_PER_EXPERT, str(expert)), part
+        else:
+            yield hf_name, weight
 
 
 def _iter_q4_1(reader: GGUFReader, names: dict[str, str | None], config: ModelConfig,
                path: str) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     for tensor in reader.tensors:
         hf_name = names[tensor.name]
-        if hf_name is None or tensor.tensor_type != GGMLQuantizationType.Q4_1:
+        # (stacked experts are dequantized: only linear layers keep Q4_1 weights)
+        if (hf_name is None or tensor.tensor_type != GGMLQuantizationType.Q4_1
+                or _PER_EXPERT in hf_name):
             continue
         with naming_errors(path, "cannot read weights"):
             parts = q4_1_parts(tensor.data, _hf_shape(tensor), tensor.name)
@@ -427,7 +465,7 @@ def _iter_q4_1(reader: GGUFReader, names: dict[str, str | None], config: ModelCo
 
 
 def _to_hf_layout(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
-    if config.architecture not in ("llama", "mistral"):
+    if config.architecture not in ("llama", "mistral", "mixtral"):
         return weight
     if ".attn_q." in name:
         return unpermute_rope_rows(weight, config.num_attention_heads)

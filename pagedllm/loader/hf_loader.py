@@ -99,7 +99,7 @@ def config_from_hf(hf: dict[str, Any], path: str, has_lm_head: bool = True) -> M
         attn_logit_softcapping=hf.get("attn_logit_softcapping"),
         final_logit_softcapping=hf.get("final_logit_softcapping"),
         rope_local_theta=rope_extra.get("rope_local_theta"),
-        **_moe_fields(hf),
+        **_moe_fields(hf, arch),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
         name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
@@ -113,13 +113,13 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
     return int(hf["sliding_window"]) if hf.get("sliding_window") else None
 
 
-def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """Mixture-of-experts fields (4.x and 5.x names; Mixtral's experts are intermediate_size
     wide and renormalise their top-k weights)."""
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     if not experts:
         return {}
-    mixtral = "num_local_experts" in hf and "moe_intermediate_size" not in hf
+    mixtral = arch == "mixtral"
     return {
         "num_experts": experts,
         "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 2),

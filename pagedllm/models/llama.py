@@ -10,7 +10,7 @@ On the CPU a bf16 decode step may instead run these layers as one C++ call
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -79,23 +79,32 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
-                                                       [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        ffn = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [ffn] * 2)
+        self.down_proj = RowParallelLinear(ffn, config.hidden_size)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.gate_up_proj.silu_and_mul(x, self.act_fn))
 
 
+# the feed-forward block of a layer: (config, layer index) -> module taking and returning
+# [tokens, hidden] (MLP, or a mixture of experts: models/qwen3_moe.py)
+MakeMLP = Callable[[ModelConfig, int], nn.Module]
+
+
+def dense_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    return MLP(config)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, qk_norm: bool,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, make_mlp: MakeMLP = dense_mlp) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, layer, qk_norm, rotary_emb)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -115,14 +124,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool, make_mlp: MakeMLP = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One rotary embedding for all layers (its cos/sin lookup is then done once per step),
         # owned by this model: built on this model's device, never shared with another model.
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                      config.rope_theta, config.rope_scaling, config.rotary_dim)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, qk_norm, rotary_emb)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qk_norm, rotary_emb, make_mlp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -150,11 +159,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm = False
+    make_mlp: MakeMLP = staticmethod(dense_mlp)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm)
+        self.model = DecoderModel(config, self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -221,11 +231,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard = name, ()
-            for ckpt, (merged, shard_id) in self.packed_modules_mapping.items():
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(ckpt, merged), (shard_id,)
-                    break
+            target, shard = self.weight_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
@@ -236,3 +242,11 @@ class LlamaForCausalLM(nn.Module):
                    and not (n == "lm_head.weight" and self.config.tie_word_embeddings)}
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def weight_target(self, name: str) -> tuple[str, tuple[object, ...]]:
+        """The parameter a checkpoint tensor is copied into, and the shard arguments its
+        weight_loader takes (none for a parameter of its own)."""
+        for ckpt, (merged, shard_id) in self.packed_modules_mapping.items():
+            if f".{ckpt}." in name:
+                return name.replace(ckpt, merged), (shard_id,)
+        return name, ()
