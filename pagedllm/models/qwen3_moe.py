@@ -3,10 +3,10 @@ q/k/v biases) whose feed-forward block is, in the layers the config makes sparse
 choosing the top-k of E experts (layers/moe.py), plus, in Qwen2-MoE, a shared expert every
 token passes through, scaled by a sigmoid gate.
 
-Checkpoints hold each expert's projections as its own tensor (transformers 4.x names, which
-5.x still writes: mlp.experts.{e}.gate_proj.weight), or every expert's stacked in one
-tensor (5.x in memory: mlp.experts.gate_up_proj, mlp.experts.down_proj); GGUF's stacked
-experts reach the model split per expert (loader/gguf_loader.py).
+Checkpoints hold each expert's projections as its own tensor, mlp.experts.{e}.gate_proj.
+weight (transformers 4.x's names, which 5.x still writes though it holds the experts
+stacked in memory); GGUF's stacked experts reach the model split per expert
+(loader/gguf_loader.py).
 """
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from pagedllm.models.llama import MLP, LlamaForCausalLM
 
 # mlp.experts.{e}.{gate,up,down}_proj.weight: one expert's projection
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
-# mlp.experts.{gate_up,down}_proj[.weight]: every expert's, stacked
-_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up|down)_proj(?:\.weight)?")
 
 
 class SparseMoeBlock(nn.Module):
@@ -85,9 +83,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if match := _EXPERT.fullmatch(name):
             experts, expert, part = match.groups()
             return f"{experts}.{'w2' if part == 'down' else 'w13'}", (int(expert), part)
-        if match := _STACKED.fullmatch(name):
-            experts, part = match.groups()
-            return f"{experts}.{'w2' if part == 'down' else 'w13'}", (None, part)
         return super().weight_target(name)
 
 

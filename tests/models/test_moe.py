@@ -288,3 +288,85 @@ def test_greedy_matches_hf(models, family, fmt, setting):
 def test_bf16_close_to_hf_bf16(models, family):
     built, prompts, _ = models(family)
     assert_bf16_close(built, "hf", prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,fmt", [("qwen2-moe", "hf"), ("mixtral", "gguf")])
+def test_tensor_parallel_2_greedy_matches_hf(models, family, fmt):
+    """Two ranks split every expert's (and the shared expert's) intermediate dimension;
+    routers are replicated."""
+    built, prompts, reference = models(family)
+    with LLM(built.path(fmt), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+             max_model_len=512, tensor_parallel_size=2, check_invariants=True) as llm:
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_gguf_of_llama_arch_with_experts_is_mixtral(models):
+    from pagedllm.loader import load_model_source
+    built, _, _ = models("mixtral")
+    gguf, hf = (load_model_source(built.path(fmt)).config for fmt in ("gguf", "hf"))
+    assert gguf.architecture == hf.architecture == "mixtral"
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "norm_topk_prob", "shared_expert_intermediate_size", "mlp_only_layers"):
+        assert getattr(gguf, field) == getattr(hf, field), field
+
+
+# config.json as real transformers 4.x checkpoints on the Hub write them (trimmed)
+HF4_CONFIGS = {
+    "Qwen3MoeForCausalLM": dict(
+        model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rope_theta=1000000.0, head_dim=128, intermediate_size=6144),
+    "Qwen2MoeForCausalLM": dict(
+        model_type="qwen2_moe", num_experts=60, num_experts_per_tok=4,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_theta=1000000.0, intermediate_size=5632),
+    "MixtralForCausalLM": dict(
+        model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+        rope_theta=1000000.0, intermediate_size=14336),
+}
+
+
+@pytest.mark.parametrize("architecture", list(HF4_CONFIGS))
+def test_transformers_4_config_keys(architecture):
+    from pagedllm.loader.hf_loader import config_from_hf
+    hf = dict(architectures=[architecture], vocab_size=1000, hidden_size=2048,
+              num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+              rms_norm_eps=1e-6, **HF4_CONFIGS[architecture])
+    config = config_from_hf(hf, "hub")
+    assert config.rope_theta == 1e6
+    assert config.num_experts == hf.get("num_experts", hf.get("num_local_experts"))
+    assert config.num_experts_per_tok == hf["num_experts_per_tok"]
+    assert config.moe_intermediate_size == hf.get("moe_intermediate_size",
+                                                  hf["intermediate_size"])
+    assert config.norm_topk_prob == hf.get("norm_topk_prob", True)  # Mixtral's: always
+    assert config.shared_expert_intermediate_size == hf.get("shared_expert_intermediate_size", 0)
+    assert config.qkv_bias == (architecture == "Qwen2MoeForCausalLM")
+
+
+def test_decoder_sparse_step_and_mlp_only_layers_match_hf(tmp_path):
+    """Qwen3-MoE with experts in layer 1 only: layers 1 and 3 by decoder_sparse_step 2,
+    layer 3 back to a dense MLP by mlp_only_layers. (No GGUF: llama.cpp's MoE
+    architectures have experts in every layer.)"""
+    transformers = pytest.importorskip("transformers")
+    from pagedllm.loader import load_model_source
+    from pagedllm.models.llama import MLP
+    from pagedllm.models.qwen3_moe import SparseMoeBlock
+    tokenizer = load_model_source(None).tokenizer
+    tokenizer.save_pretrained(str(tmp_path))
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=tokenizer.vocab_size, eos_token_id=2, bos_token_id=1,
+        **{**MOE_SIZES, "num_hidden_layers": 4}, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2,
+        mlp_only_layers=[3], tie_word_embeddings=False)
+    hf = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    _decisive_routing(hf)
+    hf.save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=8 * 2**20)
+    layers = llm.engine.model_runner.model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [MLP, SparseMoeBlock, MLP, MLP]
+    prompts = prompt_ids(llm)[:3]
+    assert max_logit_error(llm, hf, prompts) < 1e-4
