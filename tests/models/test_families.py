@@ -121,3 +121,16 @@ def test_interleaved_or_global_models_keep_every_block(models):
     built, _, _ = models("qwen2")
     llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=4 * 2**20)
     assert llm.engine.scheduler.block_manager.sliding_window is None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
+    """bf16 with every fast path the family can take (C++ kernels, the one-call decode
+    stack) gives the tokens the op-by-op forward (enforce_eager) gives."""
+    built, prompts, _ = models(family)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(built.hf_dir), dtype="bfloat16", kv_cache_memory_bytes=16 * 2**20,
+                  enforce_eager=eager)
+        outs.append([o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)])
+    assert outs[0] == outs[1]
