@@ -9,9 +9,9 @@ Python and torch dispatch around ~12 ops a layer: about 1 ms a step at one row.
 
 It applies to Llama-structured layers (no q/k norms, biases, windows, partial or LongRoPE
 rotary, or tensor parallelism) on the cpu_paged backend, with bf16 weights or GGUF Q4_1
-ones. Its per-model arguments are gathered once (~0.65 ms) and checked each step by identity (~12 us), so a forward hook put
-on a layer (the step then runs op by op, and the hook fires), a cache rebound or a weight
-repacked since is seen. `enforce_eager=True` turns it off.
+ones. Its per-model arguments are gathered once (~0.65 ms) and checked each step by identity
+(~12 us), so a forward hook put on a layer (the step then runs op by op, and the hook
+fires), a cache rebound or a weight repacked since is seen. `enforce_eager=True` turns it off.
 """
 from __future__ import annotations
 
