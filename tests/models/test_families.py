@@ -162,3 +162,31 @@ def test_beam_search_equals_hf(models, family):
             ref = built.hf.generate(torch.tensor([ids]), num_beams=2, do_sample=False,
                                     early_stopping=False, max_new_tokens=16, pad_token_id=2)
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+def test_an_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
+    import json
+
+    from pagedllm.loader import ModelLoadError, load_model_source
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
+    with pytest.raises(ModelLoadError, match="GPTNeoXForCausalLM.*supported: .*Mistral"
+                                             "ForCausalLM.*Qwen2ForCausalLM.*Phi3ForCausalLM"):
+        load_model_source(str(tmp_path))
+
+
+def test_a_tensor_that_does_not_match_the_config_is_named_with_both_shapes(models, tmp_path):
+    import json
+    import shutil
+
+    from pagedllm.loader import ModelLoadError, load_model_source
+    built, _, _ = models("phi3")
+    copy = tmp_path / "phi3"
+    shutil.copytree(built.hf_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["intermediate_size"] = 96                    # the checkpoint's is 128
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' "
+                                             r"has shape \[\d+, \d+\], but the model's "
+                                             r"hyper-parameters need \[\d+, \d+\]"):
+        load_model_source(str(copy))
