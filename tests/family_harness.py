@@ -146,6 +146,10 @@ SETTINGS: dict[str, Callable[[Built], dict[str, Any]]] = {
     # 24 blocks of 16 tokens for 8 sequences of up to ~100 tokens: some are preempted
     "preempt": lambda b: dict(kv_cache_memory_bytes=kv_bytes_for_blocks(b, 24),
                               max_model_len=256),
+    # the same, preempted sequences swapped out to host memory and back (a sequence whose
+    # window freed blocks is recomputed instead)
+    "swap": lambda b: dict(kv_cache_memory_bytes=kv_bytes_for_blocks(b, 24), max_model_len=256,
+                           preemption_mode="swap", swap_space=0.01),
     # 13-token chunks: their edges fall inside the 8-16 token windows
     "chunked": lambda b: dict(max_num_batched_tokens=13, max_num_seqs=4, max_model_len=256),
 }
@@ -162,8 +166,11 @@ def run_engine(built: Built, fmt: str, setting: str, prompts: list[list[int]]) -
         again = llm.generate(prompts, greedy(), use_tqdm=False)
         assert llm.engine.scheduler.block_manager.num_hit_tokens > hits
         assert [o.token_ids for o in again] == [o.token_ids for o in outs]
-    if setting == "preempt":
+    # (an all-sliding model frees blocks as it goes: it may not need to be preempted)
+    if setting in ("preempt", "swap") and not llm.engine.scheduler.block_manager.sliding_window:
         assert llm.engine.scheduler.num_preemptions > 0, "the setting must force preemption"
+        if setting == "swap":
+            assert llm.engine.scheduler.num_swap_outs > 0, "the setting must swap"
     bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     return llm, outs

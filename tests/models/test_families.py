@@ -10,6 +10,7 @@ import pytest
 from family_harness import (Built, Family, assert_bf16_close, build, greedy, hf_greedy,
                             max_logit_error, prompt_ids, run_engine)
 from pagedllm import LLM
+from pagedllm.loader import load_model_source
 
 
 def _phi3_gguf_metadata(writer, config) -> None:
@@ -73,6 +74,7 @@ def test_logits_match_hf(models, family, fmt):
     "prefix-cache",
     pytest.param("no-prefix-cache", marks=pytest.mark.slow),
     pytest.param("preempt", marks=pytest.mark.slow),
+    pytest.param("swap", marks=pytest.mark.slow),
     pytest.param("chunked", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -190,3 +192,26 @@ def test_a_tensor_that_does_not_match_the_config_is_named_with_both_shapes(model
                                              r"has shape \[\d+, \d+\], but the model's "
                                              r"hyper-parameters need \[\d+, \d+\]"):
         load_model_source(str(copy))
+
+
+@pytest.mark.slow
+def test_the_server_serves_a_family_with_the_official_client(models, start_server):
+    """`pagedllm serve` on the GGUF of a family other than Llama: the openai client's
+    completions (token-id prompts, greedy) equal HF's replies; chat uses the file's template."""
+    openai = pytest.importorskip("openai")
+    built, prompts, reference = models("phi3")
+    proc = start_server("phi3-server", ["--model", str(built.gguf), "--max-model-len", "256"])
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        tokenizer = load_model_source(str(built.gguf)).tokenizer
+        for ids, ref in list(zip(prompts, reference))[:3]:
+            out = client.completions.create(model=model, prompt=ids, max_tokens=len(ref),
+                                            temperature=0, extra_body={"min_tokens": len(ref)})
+            assert out.choices[0].text == tokenizer.decode(ref)
+        chat = client.chat.completions.create(
+            model=model, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "Hello"}])
+        assert chat.choices[0].finish_reason in ("length", "stop")
+    finally:
+        proc.stop_and_check()
