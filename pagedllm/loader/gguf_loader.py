@@ -5,11 +5,12 @@ GGUF stores hyper-parameters as ``{arch}.*`` metadata keys, the tokenizer as
 quantized. This module maps all of it to HF conventions: a :class:`ModelConfig`, a
 :class:`Tokenizer`, and weights with HF names in HF layout.
 
-The one layout difference: llama.cpp's converter permutes the rows of the Q and K
+The layout differences: llama.cpp's converter permutes the rows of the Q and K
 projections of "llama" models so that each head's rotary pairs are interleaved
 (x0, x1), (x2, x3)... as ggml's rope expects, while HF pairs the first half of a head with
 its second half (rotate-half). We undo that permutation, as HF transformers' GGUF loader
-does. Qwen3 GGUFs are converted without it.
+does. Qwen3 GGUFs are converted without it. Gemma 2/3 GGUFs store each norm weight w as
+1 + w (Gemma's RMSNorm scales by 1 + w, ggml's by the weight): we subtract the 1 again.
 """
 from __future__ import annotations
 
@@ -167,8 +168,8 @@ _ARCH_KEY_TYPES: dict[str, type] = {
                         "rope.dimension_count", "attention.sliding_window", "expert_count",
                         "expert_used_count", "expert_feed_forward_length",
                         "expert_shared_feed_forward_length")},
-    **{k: float for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa",
-                          "rope.scaling.factor",
+    **{k: float for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base",
+                          "rope.freq_base_swa", "rope.scaling.factor",
                           "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
                           "rope.scaling.attn_factor", "attn_logit_softcapping",
                           "final_logit_softcapping")},

@@ -83,7 +83,9 @@ class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = math.sqrt(config.hidden_size)
+        # HF's scale is an fp32 tensor cast to the weights' dtype (sqrt(3072) is 55.5 in bf16)
+        scale = torch.tensor(math.sqrt(config.hidden_size), dtype=torch.float32)
+        self.embed_scale = float(scale.to(self.embed_tokens.weight.dtype))
         hd, max_pos = config.head_dim, config.max_position_embeddings
         global_rope = RotaryEmbedding(hd, max_pos, config.rope_theta, config.rope_scaling)
         local_rope = global_rope
@@ -99,10 +101,7 @@ class GemmaModel(nn.Module):
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of every token, or of the rows keep_rows indexes (see
         DecoderModel.forward)."""
-        x = self.embed_tokens.forward(input_ids)
-        # HF's scale is an fp32 tensor cast to the weights' dtype (rounded twice)
-        x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
-        residual = None
+        x, residual = self.embed_tokens.forward(input_ids) * self.embed_scale, None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):  # a call: fault injection hooks layers
             x, residual = layer(positions, x, residual, keep_rows if i == last else None)

@@ -21,6 +21,7 @@ from pagedllm.engine.cpu_decode_stack import CpuDecodeStack, _StackArgs
 from pagedllm.loader import ModelLoadError, load_model_source
 from pagedllm.loader.gguf_loader import config_from_metadata
 from pagedllm.loader.hf_loader import config_from_hf
+from pagedllm.loader.validate import model_bytes
 from pagedllm.models.gemma import Gemma3ForCausalLM
 
 
@@ -157,6 +158,16 @@ def test_decode_stack_does_not_take_gemma_layers(models):
     assert _StackArgs.gather(model.model) is None
 
 
+def test_model_size_estimate_counts_both_rope_tables(models):
+    """check_fits_in_memory's estimate holds Gemma 3's second (sliding layers') rope tables."""
+    built, _, _ = models("gemma3")
+    config = load_model_source(built.path("gguf")).config
+    model = Gemma3ForCausalLM(config)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    assert model_bytes(config, torch.float32) == sum(t.numel() * t.element_size()
+                                                     for t in tensors.values())
+
+
 # ----------------------------------------------------------------------------- configurations
 
 def _hf4(**fields) -> dict:
@@ -181,7 +192,8 @@ def test_hf4_gemma3_config_pattern_and_rope_bases():
                                  rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
                                  rope_scaling={"rope_type": "linear", "factor": 8.0},
                                  attn_logit_softcapping=50.0), "gemma-3")
-    assert config.layer_types == (["sliding_attention"] * 2 + ["full_attention"]) * 2 + ["sliding_attention"]
+    sliding, full = "sliding_attention", "full_attention"
+    assert config.layer_types == [sliding, sliding, full, sliding, sliding, full, sliding]
     assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10000.0)
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert config.attn_logit_softcapping is None  # HF's Gemma 3 never applies it
@@ -210,7 +222,8 @@ def test_gguf_gemma_defaults_follow_llama_cpp():
     """Gemma 2 without the keys: window 4096 and soft-caps 50 / 30; Gemma 3 without a window:
     every layer global, local rope base 10000, a sliding pattern array read per layer."""
     g2 = config_from_metadata(_gguf_metadata("gemma2", 4), SimpleNamespace(tensors=[]), "x")
-    assert (g2.sliding_window, g2.attn_logit_softcapping, g2.final_logit_softcapping) == (4096, 50.0, 30.0)
+    caps = (g2.attn_logit_softcapping, g2.final_logit_softcapping)
+    assert (g2.sliding_window, caps) == (4096, (50.0, 30.0))
     assert g2.layer_types == ["sliding_attention", "full_attention"] * 2
     g3 = config_from_metadata(_gguf_metadata("gemma3", 4), SimpleNamespace(tensors=[]), "x")
     assert (g3.sliding_window, g3.layer_types, g3.rope_local_theta) == (None, None, 10000.0)
@@ -231,6 +244,12 @@ def test_hf_gemma3_multimodal_is_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration") as info:
         load_model_source(str(tmp_path))
     assert "Gemma3ForCausalLM" in str(info.value) and "text model" in str(info.value)
+
+
+def test_hf_bidirectional_gemma3_is_refused():
+    with pytest.raises(ModelLoadError, match="bidirectional attention"):
+        config_from_hf(_hf4(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True),
+                       "embeddinggemma")
 
 
 def test_gguf_mmproj_is_refused_by_name(tmp_path):
