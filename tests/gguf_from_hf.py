@@ -1,8 +1,9 @@
 """Write a transformers model as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does:
 tensor names from the `gguf` package's own maps (gguf.get_tensor_name_map), its metadata
-keys, its per-architecture transforms (the Q/K row permutation of "llama" models, Gemma's
-norms stored as 1 + weight, experts stacked into 3-D tensors), the bundled model's
-tokenizer, and every tensor in float32 (so logits can be compared with HF's to 1e-4).
+keys (TextModel's common ones here, a family's own through its hook), its per-architecture
+transforms (the Q/K row permutation of "llama" models here; a family's own, such as Gemma's
+norms stored as 1 + weight, through its transform), the bundled model's tokenizer, and every
+tensor in float32 (so logits can be compared with HF's to 1e-4).
 """
 from __future__ import annotations
 

@@ -28,13 +28,13 @@ from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import DecoderAttention, LlamaForCausalLM
 
-GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
 
 
 class GemmaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if config.hidden_act not in GELU_TANH:
+        if config.hidden_act != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma's MLP takes gelu_pytorch_tanh, not {config.hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size,
                                                        [config.intermediate_size] * 2)
