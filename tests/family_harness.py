@@ -211,3 +211,27 @@ def max_logit_error(llm: LLM, model: torch.nn.Module, prompts: list[list[int]]) 
         err = max(err, (ours.float() - ref).abs().max().item())
     assert math.isfinite(err)
     return err
+
+
+def assert_tp2_equals_hf(built: Built, prompts: list[list[int]],
+                         reference: list[list[int]]) -> None:
+    """Two real processes over gloo (heads, biases, fused tensors, experts and the
+    vocabulary split across them) give HF's greedy replies."""
+    with LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+             tensor_parallel_size=2, check_invariants=True) as llm:
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+
+
+def assert_beam_search_equals_hf(built: Built, prompts: list[list[int]], width: int = 2,
+                                 new_tokens: int = 16) -> None:
+    """Beams fork and share blocks (windows too); the best equals transformers' beam search."""
+    llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+              check_invariants=True)
+    ours = llm.beam_search(prompts, beam_width=width, max_tokens=new_tokens, use_tqdm=False)
+    for ids, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = built.hf.generate(torch.tensor([ids]), num_beams=width, do_sample=False,
+                                    early_stopping=False, max_new_tokens=new_tokens,
+                                    pad_token_id=2)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()

@@ -29,8 +29,6 @@ from pagedllm.models.config import ModelConfig
 from pagedllm.models.llama import DecoderAttention, LlamaForCausalLM
 
 
-
-
 class GemmaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from family_harness import (Built, Family, assert_bf16_close, build, greedy, hf_greedy,
-                            max_logit_error, prompt_ids, run_engine)
+from family_harness import (Built, Family, assert_beam_search_equals_hf, assert_bf16_close,
+                            assert_tp2_equals_hf, build, greedy, hf_greedy, max_logit_error,
+                            prompt_ids, run_engine)
 from pagedllm import LLM
 from pagedllm.loader import load_model_source
 
@@ -141,29 +142,15 @@ def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tensor_parallel_2_equals_hf(models, family):
-    """Two real processes over gloo: heads, biases, Phi-3's fused tensors and the
-    vocabulary split across them."""
     built, prompts, reference = models(family)
-    with LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
-             tensor_parallel_size=2, check_invariants=True) as llm:
-        outs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert [o.token_ids for o in outs] == reference
+    assert_tp2_equals_hf(built, prompts, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_beam_search_equals_hf(models, family):
-    """Beams fork and share blocks (windows too); the best equals transformers' beam search."""
-    import torch
     built, prompts, _ = models(family)
-    llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
-              check_invariants=True)
-    ours = llm.beam_search(prompts[:4], beam_width=2, max_tokens=16, use_tqdm=False)
-    for ids, out in zip(prompts, ours):
-        with torch.no_grad():
-            ref = built.hf.generate(torch.tensor([ids]), num_beams=2, do_sample=False,
-                                    early_stopping=False, max_new_tokens=16, pad_token_id=2)
-        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+    assert_beam_search_equals_hf(built, prompts[:4])
 
 
 def test_an_unsupported_architecture_is_named_with_the_supported_list(tmp_path):

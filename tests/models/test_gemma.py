@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from family_harness import (Built, Family, assert_bf16_close, build, hf_greedy,
-                            max_logit_error, prompt_ids, run_engine)
+from family_harness import (Built, Family, assert_beam_search_equals_hf, assert_bf16_close,
+                            assert_tp2_equals_hf, build, hf_greedy, max_logit_error,
+                            prompt_ids, run_engine)
 from pagedllm import LLM
 from pagedllm.engine.cpu_decode_stack import CpuDecodeStack, _StackArgs
 from pagedllm.loader import ModelLoadError, load_model_source
@@ -121,6 +122,7 @@ def test_query_pre_attn_scalar_from_hf_config(models):
     "prefix-cache",
     pytest.param("no-prefix-cache", marks=pytest.mark.slow),
     pytest.param("preempt", marks=pytest.mark.slow),
+    pytest.param("swap", marks=pytest.mark.slow),
     pytest.param("chunked", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -130,6 +132,20 @@ def test_greedy_matches_hf(models, family, fmt, setting):
     _, outs = run_engine(built, fmt, setting, prompts)
     for ids, out, ref in zip(prompts, outs, reference):
         assert out.token_ids == ref, f"{family} prompt {ids[:6]}...: ours {out.token_ids} vs HF {ref}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tensor_parallel_2_equals_hf(models, family):
+    built, prompts, reference = models(family)
+    assert_tp2_equals_hf(built, prompts, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_beam_search_equals_hf(models, family):
+    built, prompts, _ = models(family)
+    assert_beam_search_equals_hf(built, prompts[:4])
 
 
 @pytest.mark.slow
