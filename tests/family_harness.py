@@ -146,6 +146,10 @@ SETTINGS: dict[str, Callable[[Built], dict[str, Any]]] = {
     # 24 blocks of 16 tokens for 8 sequences of up to ~100 tokens: some are preempted
     "preempt": lambda b: dict(kv_cache_memory_bytes=kv_bytes_for_blocks(b, 24),
                               max_model_len=256),
+    # the same, preempted sequences swapped out to host memory and back (a sequence whose
+    # window freed blocks is recomputed instead)
+    "swap": lambda b: dict(kv_cache_memory_bytes=kv_bytes_for_blocks(b, 24), max_model_len=256,
+                           preemption_mode="swap", swap_space=0.01),
     # 13-token chunks: their edges fall inside the 8-16 token windows
     "chunked": lambda b: dict(max_num_batched_tokens=13, max_num_seqs=4, max_model_len=256),
 }
@@ -162,8 +166,11 @@ def run_engine(built: Built, fmt: str, setting: str, prompts: list[list[int]]) -
         again = llm.generate(prompts, greedy(), use_tqdm=False)
         assert llm.engine.scheduler.block_manager.num_hit_tokens > hits
         assert [o.token_ids for o in again] == [o.token_ids for o in outs]
-    if setting == "preempt":
+    # (an all-sliding model frees blocks as it goes: it may not need to be preempted)
+    if setting in ("preempt", "swap") and not llm.engine.scheduler.block_manager.sliding_window:
         assert llm.engine.scheduler.num_preemptions > 0, "the setting must force preemption"
+        if setting == "swap":
+            assert llm.engine.scheduler.num_swap_outs > 0, "the setting must swap"
     bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     return llm, outs
@@ -204,3 +211,27 @@ def max_logit_error(llm: LLM, model: torch.nn.Module, prompts: list[list[int]]) 
         err = max(err, (ours.float() - ref).abs().max().item())
     assert math.isfinite(err)
     return err
+
+
+def assert_tp2_equals_hf(built: Built, prompts: list[list[int]],
+                         reference: list[list[int]]) -> None:
+    """Two real processes over gloo (heads, biases, fused tensors, experts and the
+    vocabulary split across them) give HF's greedy replies."""
+    with LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+             tensor_parallel_size=2, check_invariants=True) as llm:
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+
+
+def assert_beam_search_equals_hf(built: Built, prompts: list[list[int]], width: int = 2,
+                                 new_tokens: int = 16) -> None:
+    """Beams fork and share blocks (windows too); the best equals transformers' beam search."""
+    llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+              check_invariants=True)
+    ours = llm.beam_search(prompts, beam_width=width, max_tokens=new_tokens, use_tqdm=False)
+    for ids, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = built.hf.generate(torch.tensor([ids]), num_beams=width, do_sample=False,
+                                    early_stopping=False, max_new_tokens=new_tokens,
+                                    pad_token_id=2)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()

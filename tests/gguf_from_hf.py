@@ -1,8 +1,9 @@
 """Write a transformers model as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does:
 tensor names from the `gguf` package's own maps (gguf.get_tensor_name_map), its metadata
-keys, its per-architecture transforms (the Q/K row permutation of "llama" models, Gemma's
-norms stored as 1 + weight, experts stacked into 3-D tensors), the bundled model's
-tokenizer, and every tensor in float32 (so logits can be compared with HF's to 1e-4).
+keys (TextModel's common ones here, a family's own through its hook), its per-architecture
+transforms (the Q/K row permutation of "llama" models here; a family's own, such as Gemma's
+norms stored as 1 + weight, through its transform), the bundled model's tokenizer, and every
+tensor in float32 (so logits can be compared with HF's to 1e-4).
 """
 from __future__ import annotations
 
@@ -56,9 +57,17 @@ def _common_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    rope = getattr(config, "rope_parameters", None) or {}
+    # as convert_hf_to_gguf.py's TextModel: per-layer-type rope parameters (Gemma 3) give
+    # the global layers' base and scaling, and the sliding layers' base
+    params = getattr(config, "rope_parameters", None) or {}
+    rope = params.get("full_attention", params)
     theta = rope.get("rope_theta") if "rope_theta" in rope else getattr(config, "rope_theta", 10000.0)
     writer.add_rope_freq_base(float(theta))
+    if (local := params.get("sliding_attention", {}).get("rope_theta")) is not None:
+        writer.add_rope_freq_base_swa(float(local))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) is not False:
         writer.add_sliding_window(window)

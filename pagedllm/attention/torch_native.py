@@ -126,9 +126,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     valid = torch.arange(max_len) < lens  # [B, max_len]
     if window is not None:
         valid &= torch.arange(max_len) >= lens - window
-    if softcap is not None:
-        return torch.stack([_attend(q[i:i + 1], keys[i], values[i], scale, valid[i:i + 1], softcap)[0]
-                            for i in range(len(q))])
+    if softcap is not None:  # the math path, every row at once
+        group = q.shape[1] // keys.shape[2]
+        keys, values = (t.repeat_interleave(group, dim=2).float() for t in (keys, values))
+        scores = torch.einsum("bhd,blhd->bhl", q.float(), keys) * scale
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~valid[:, None, :],
+                                                                      float("-inf"))
+        return torch.einsum("bhl,blhd->bhd", scores.softmax(-1), values).to(q.dtype)
     o = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2),
                                        values.transpose(1, 2), attn_mask=valid[:, None, None, :],
                                        scale=scale, enable_gqa=True)

@@ -7,11 +7,12 @@ kernels: RMSNorm, the linears' methods, rotary, store_kv, paged attention, SiLU-
 the same order on the same tensors, so its results are the same bit for bit. It saves the
 Python and torch dispatch around ~12 ops a layer: about 1 ms a step at one row.
 
-It applies to Llama-structured layers (a dense MLP, no q/k norms, biases or tensor
-parallelism) on the cpu_paged backend, with bf16 weights or GGUF Q4_1 ones. Its per-model
-arguments are gathered once (~0.65 ms) and checked each step by identity (~12 us), so a
-forward hook put on a layer (the step then runs op by op, and the hook fires), a cache
-rebound or a weight repacked since is seen. `enforce_eager=True` turns it off.
+It applies to Llama-structured layers (a dense MLP; no q/k norms, biases, windows, partial
+or LongRoPE rotary, or tensor parallelism) on the cpu_paged backend, with bf16 weights or
+GGUF Q4_1 ones. Its per-model arguments are gathered once (~0.65 ms) and checked each step
+by identity (~12 us), so a forward hook put on a layer (the step then runs op by op, and the
+hook fires), a cache rebound or a weight repacked since is seen. `enforce_eager=True` turns
+it off.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class _StackArgs:
                 return None
             attn, mlp = layer.self_attn, layer.mlp
             if (attn.q_norm is not None or attn.qkv_proj.bias is not None
+                    or not attn.rotary_emb.plain
                     or attn.o_proj.bias is not None or attn.qkv_proj.tp_size != 1
                     or attn.attn.impl is not cpu_paged.attention or not attn.attn.k_cache.numel()):
                 return None

@@ -19,3 +19,11 @@ class SiluAndMul(CustomOp):
         if x.dim() != 2 or x.stride(-1) != 1:
             return self.forward_native(x)
         return ops.silu_and_mul(x)
+
+
+class GeluAndMul(CustomOp):
+    """gelu(gate) * up, GELU's tanh approximation (Gemma's GeGLU, HF's gelu_pytorch_tanh)."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, -1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add fused in (seed 002)."""
+"""RMSNorm, with the residual add fused in (seed 002); Gemma's variant, which scales by
+1 + weight."""
 from __future__ import annotations
 
 import torch
@@ -37,3 +38,28 @@ class RMSNorm(CustomOp):
             return ops.rms_norm(x, None, self.weight, self.eps)[0]
         out, residual = ops.rms_norm(x, residual, self.weight, self.eps)
         return out, residual
+
+
+class GemmaRMSNorm(CustomOp):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, and the product is taken
+    in fp32 before rounding once to the input's dtype (as HF's Gemma2/Gemma3RMSNorm; Llama's
+    rounds the normalised x first). In bf16, 1 + weight itself would lose the small
+    offsets, so it is never stored in the activation dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -96,8 +96,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         # chosen once: an instance attribute, no per-call check
-        plain = not self.partial and self.long_after is None
-        self.rotate = self.rotate_cpu if uses_cpu_kernels() and plain else self.rotate_native
+        self.rotate = (self.rotate_cpu if uses_cpu_kernels() and self.plain
+                       else self.rotate_native)
+
+    @property
+    def plain(self) -> bool:
+        """Every head dim rotated by one cos/sin cache (what the C++ kernels take)."""
+        return not self.partial and self.long_after is None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,11 +5,12 @@ GGUF stores hyper-parameters as ``{arch}.*`` metadata keys, the tokenizer as
 quantized. This module maps all of it to HF conventions: a :class:`ModelConfig`, a
 :class:`Tokenizer`, and weights with HF names in HF layout.
 
-The one layout difference: llama.cpp's converter permutes the rows of the Q and K
+The layout differences: llama.cpp's converter permutes the rows of the Q and K
 projections of "llama" models so that each head's rotary pairs are interleaved
 (x0, x1), (x2, x3)... as ggml's rope expects, while HF pairs the first half of a head with
 its second half (rotate-half). We undo that permutation, as HF transformers' GGUF loader
-does. Qwen3 GGUFs are converted without it.
+does. Qwen3 GGUFs are converted without it. Gemma 2/3 GGUFs store each norm weight w as
+1 + w (Gemma's RMSNorm scales by 1 + w, ggml's by the weight): we subtract the 1 again.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from pagedllm.models.config import ModelConfig
-from pagedllm.models.registry import GGUF_ARCHITECTURES
+from pagedllm.models.config import ModelConfig, pattern_layer_types
+from pagedllm.models.registry import GGUF_ARCHITECTURES, SLIDING_WINDOW_PATTERNS
 
 from .dequant import dequantize, q4_1_parts
 from .errors import ModelLoadError, naming_errors
@@ -68,8 +69,15 @@ _GLOBAL_TENSORS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
 # per-architecture differences from _LAYER_TENSORS
+_GEMMA_LAYER_TENSORS = {  # four norms a layer: ffn_norm is the one before the MLP
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _ARCH_LAYER_TENSORS = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up fused, as in Phi-3's checkpoints
+    "gemma2": _GEMMA_LAYER_TENSORS,
+    "gemma3": _GEMMA_LAYER_TENSORS,
     # a "llama" with experts is Mixtral: its checkpoints' names
     "llama": {"ffn_gate_inp": "block_sparse_moe.gate",
               "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
@@ -77,6 +85,9 @@ _ARCH_LAYER_TENSORS = {
               "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
 }
 _PER_EXPERT = "{e}"
+# architectures whose converter stores every norm weight w as 1 + w (Gemma's RMSNorm scales
+# by 1 + w; llama.cpp's scales by its stored weight)
+_NORM_PLUS_ONE_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # tensors a GGUF may carry that have no HF weight: consumed while building the config
 _CONFIG_ONLY_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
                                   "rope_factors_short.weight"})
@@ -174,7 +185,8 @@ _ARCH_KEY_TYPES: dict[str, type] = {
                         "rope.dimension_count", "attention.sliding_window", "expert_count",
                         "expert_used_count", "expert_feed_forward_length",
                         "expert_shared_feed_forward_length")},
-    **{k: float for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor",
+    **{k: float for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base",
+                          "rope.freq_base_swa", "rope.scaling.factor",
                           "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
                           "rope.scaling.attn_factor", "attn_logit_softcapping",
                           "final_logit_softcapping")},
@@ -244,6 +256,11 @@ def _require_positive(metadata: dict[str, Any], key: str, path: str) -> int:
 def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str) -> ModelConfig:
     """The ModelConfig a GGUF file's metadata (and tensor list) describes."""
     arch = _require(metadata, "general.architecture", path)
+    if arch == "clip":
+        raise ModelLoadError(
+            f"{path!r} is a multimodal projector (mmproj: a vision encoder, e.g. Gemma 3's), "
+            f"not a language model; pagedllm runs text models: load the language model's GGUF "
+            f"(e.g. architecture gemma3)")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path!r}: unsupported model architecture {arch!r} "
@@ -259,13 +276,21 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
     tensor_names = {t.name for t in reader.tensors}
     eos_ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     o_bias = "blk.0.attn_output.bias" in tensor_names
+    layers = _require_positive(metadata, key("block_count"), path)
+    fields: dict[str, Any] = dict(
+        sliding_window=metadata.get(key("attention.sliding_window")) or None,
+        attn_logit_softcapping=metadata.get(key("attn_logit_softcapping")),
+        final_logit_softcapping=metadata.get(key("final_logit_softcapping")),
+    )
+    if arch in ("gemma2", "gemma3"):
+        fields.update(_gemma_fields(metadata, arch, layers, hidden // heads, head_dim))
     moe = _moe_fields(metadata, arch)
     return ModelConfig(
         architecture="mixtral" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
         vocab_size=_vocab_size(metadata, arch, path),
         hidden_size=hidden,
         intermediate_size=_require_positive(metadata, key("feed_forward_length"), path),
-        num_hidden_layers=_require_positive(metadata, key("block_count"), path),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -277,15 +302,65 @@ def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str
         attention_bias=o_bias,
         qkv_bias=not o_bias and ("blk.0.attn_q.bias" in tensor_names
                                  or "blk.0.attn_qkv.bias" in tensor_names),
-        sliding_window=metadata.get(key("attention.sliding_window")) or None,
         partial_rotary_factor=int(metadata.get(key("rope.dimension_count")) or head_dim) / head_dim,
-        attn_logit_softcapping=metadata.get(key("attn_logit_softcapping")),
-        final_logit_softcapping=metadata.get(key("final_logit_softcapping")),
+        **fields,
         **moe,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         name=metadata.get("general.name") or os.path.splitext(os.path.basename(path))[0],
     )
+
+
+# llama.cpp's Gemma 2 defaults (llama_hparams) where a GGUF gives no value
+_GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0}
+# block counts llama.cpp takes for the 27B models, whose attention scale differs
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_fields(metadata: dict[str, Any], arch: str, layers: int, hidden_per_head: int,
+                  head_dim: int) -> dict[str, Any]:
+    """What llama.cpp's Gemma 2/3 loaders take from a GGUF or fix themselves.
+
+    - Sliding layers: the swa pattern (every 2nd / 6th layer global) unless the file gives
+      ``attention.sliding_window_pattern``; Gemma 3 without a window has none.
+    - Gemma 3's sliding layers take ``rope.freq_base_swa``, else 10000, without scaling.
+    - The attention scale is not stored: HF's query_pre_attn_scalar is head_dim, except
+      for the 27B models (known by their block count): hidden_size / heads.
+    - Soft-caps: Gemma 2's default to 50 (scores) and 30 (logits); Gemma 3 applies no
+      score soft-cap, and a logit soft-cap of 0 means none.
+    """
+    def get(name: str) -> Any:
+        value = metadata.get(f"{arch}.{name}")
+        return _GEMMA2_DEFAULTS.get(name) if value is None and arch == "gemma2" else value
+
+    window = get("attention.sliding_window") or None
+    layer_types = None
+    if window is not None:
+        pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer, true for a sliding one
+            if len(pattern) != layers or not all(_is(p, bool) for p in pattern):
+                raise ModelLoadError(f"{arch}.attention.sliding_window_pattern must list a bool "
+                                     f"for each of the {layers} layers")
+            layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        elif pattern is None or _is(pattern, int):
+            layer_types = pattern_layer_types(
+                layers, SLIDING_WINDOW_PATTERNS[arch] if pattern is None else pattern)
+        else:
+            raise ModelLoadError(f"{arch}.attention.sliding_window_pattern must be an integer "
+                                 f"or a list of bools, got {str(pattern)[:40]}")
+    final_cap = get("final_logit_softcapping")
+    return {
+        "sliding_window": window,
+        "layer_types": layer_types,
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": float(hidden_per_head if layers == _GEMMA_27B_LAYERS[arch]
+                                       else head_dim),
+        "attn_logit_softcapping": get("attn_logit_softcapping") if arch == "gemma2" else None,
+        "final_logit_softcapping": float(final_cap) if final_cap else None,
+        "rope_local_theta": (float(metadata.get(f"{arch}.rope.freq_base_swa") or 10000.0)
+                             if arch == "gemma3" else None),
+    }
 
 
 def _moe_fields(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -465,6 +540,8 @@ def _iter_q4_1(reader: GGUFReader, names: dict[str, str | None], config: ModelCo
 
 
 def _to_hf_layout(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    if config.architecture in _NORM_PLUS_ONE_ARCHITECTURES:
+        return weight - 1.0 if name.endswith("norm.weight") else weight
     if config.architecture not in ("llama", "mistral", "mixtral"):
         return weight
     if ".attn_q." in name:

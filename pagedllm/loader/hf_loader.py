@@ -9,8 +9,10 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from pagedllm.models.config import ModelConfig
-from pagedllm.models.registry import HF_ARCHITECTURES, HF_MODEL_TYPES, QKV_BIAS_ARCHITECTURES
+from pagedllm.models.config import ModelConfig, pattern_layer_types
+from pagedllm.models.registry import (HF_ARCHITECTURES, HF_MODEL_TYPES, QKV_BIAS_ARCHITECTURES,
+                                      SLIDING_WINDOW_PATTERNS, UNSUPPORTED_HF_ARCHITECTURES,
+                                      UNSUPPORTED_HF_MODEL_TYPES)
 from pagedllm.tokenizer import Tokenizer
 
 from .errors import ModelLoadError, naming_errors
@@ -72,14 +74,18 @@ def config_from_hf(hf: dict[str, Any], path: str, has_lm_head: bool = True) -> M
         return value
 
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    layers = int(need("num_hidden_layers"))
     rope_theta, rope_scaling, rope_extra = _rope(hf)
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path!r}: bidirectional attention (an embedding model, e.g. "
+                             f"EmbeddingGemma) is not supported; pagedllm runs causal decoders")
     eos = hf.get("eos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
-        num_hidden_layers=int(need("num_hidden_layers")),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hidden // heads),
@@ -92,18 +98,36 @@ def config_from_hf(hf: dict[str, Any], path: str, has_lm_head: bool = True) -> M
         qkv_bias=arch in QKV_BIAS_ARCHITECTURES,
         hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
         sliding_window=_sliding_window(hf),
-        layer_types=hf.get("layer_types"),
+        layer_types=_layer_types(arch, hf, layers),
         partial_rotary_factor=float(rope_extra.get("partial_rotary_factor")
                                     or hf.get("partial_rotary_factor") or 1.0),
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
-        attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+        # HF's Gemma 3 attention never applies a soft-cap its config may name (nor llama.cpp's)
+        attn_logit_softcapping=None if arch == "gemma3" else hf.get("attn_logit_softcapping"),
         final_logit_softcapping=hf.get("final_logit_softcapping"),
-        rope_local_theta=rope_extra.get("rope_local_theta"),
+        rope_local_theta=rope_extra.get("rope_local_theta") or _DEFAULT_LOCAL_THETA.get(arch),
         **_moe_fields(hf, arch),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None],
         name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(path)),
     )
+
+
+# HF's rope base of Gemma 3's sliding layers where a config names none
+_DEFAULT_LOCAL_THETA = {"gemma3": 10000.0}
+
+
+def _layer_types(arch: str, hf: dict[str, Any], layers: int) -> list[str] | None:
+    """config.json's layer_types; a 4.x Gemma config has none, and HF derives them from
+    Gemma 3's sliding_window_pattern (default 6) or Gemma 2's alternation."""
+    if hf.get("layer_types") is not None or arch not in SLIDING_WINDOW_PATTERNS:
+        return hf.get("layer_types")
+    pattern = (hf.get("sliding_window_pattern") if arch == "gemma3" else None) \
+        or SLIDING_WINDOW_PATTERNS[arch]
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        raise ModelLoadError(f"config.json 'sliding_window_pattern' must be a positive integer, "
+                             f"got {pattern!r}")
+    return pattern_layer_types(layers, pattern)
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:
@@ -179,10 +203,16 @@ def _read_config(path: str) -> dict[str, Any]:
 
 def _architecture(hf: dict[str, Any], path: str) -> str:
     names = hf.get("architectures")
-    for name in names if isinstance(names, list) else []:
-        if isinstance(name, str) and name in HF_ARCHITECTURES:
+    names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+    for name in names:
+        if name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
     model_type = hf.get("model_type")
+    refused = [n for n in names if n in UNSUPPORTED_HF_ARCHITECTURES]
+    if not names and isinstance(model_type, str) and model_type in UNSUPPORTED_HF_MODEL_TYPES:
+        refused = [UNSUPPORTED_HF_MODEL_TYPES[model_type]]
+    if refused:
+        raise ModelLoadError(f"{path!r} is {UNSUPPORTED_HF_ARCHITECTURES[refused[0]]}")
     if isinstance(model_type, str) and model_type in HF_MODEL_TYPES:
         return HF_MODEL_TYPES[model_type]
     found = hf.get("architectures") or hf.get("model_type")
@@ -198,6 +228,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, dict[str, A
     extra: dict[str, Any] = {}
     if "full_attention" in params:  # per layer type
         local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling on sliding layers ({local['rope_type']!r}) is not "
+                             f"supported")
         extra["rope_local_theta"] = local.get("rope_theta")
         params = dict(params["full_attention"])
     elif hf.get("rope_local_base_freq"):

@@ -55,7 +55,8 @@ def check_weight_shapes(declared: Mapping[str, Sequence[int]], config: ModelConf
 
 def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes the built model holds in ``dtype``: its weights plus the cos/sin caches
-    ([max_position, head_dim] each) of the one rotary embedding its layers share.
+    ([max_position, head_dim] each) of the rotary embedding its layers share (Gemma 3: two,
+    one for its sliding layers' base).
 
     Computed, not measured: building the model on the meta device would be exact but costs
     seconds the first time (torch loads its meta kernels). A test checks it against a real
@@ -63,6 +64,7 @@ def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """
     numel = sum(math.prod(shape) for shape in expected_weight_shapes(config).values())
     rotary = 2 * config.max_position_embeddings * config.head_dim
+    rotary *= 2 if config.rope_local_theta is not None else 1
     return (numel + rotary) * dtype.itemsize
 
 

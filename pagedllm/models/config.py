@@ -9,6 +9,16 @@ from typing import Any
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
+    """Every pattern-th layer global, the others sliding: HF's 4.x sliding_window_pattern
+    (Gemma 3; Gemma 2 alternates, a pattern of 2) and llama.cpp's swa pattern. A pattern of
+    1 makes every layer global; llama.cpp's 0, every layer sliding."""
+    if pattern < 0:
+        raise ValueError(f"a sliding window pattern must be >= 0, got {pattern}")
+    return ["sliding_attention" if pattern == 0 or (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)]
+
+
 @dataclass
 class ModelConfig:
     """Architecture and hyper-parameters of a decoder-only transformer (HF names)."""

@@ -9,6 +9,7 @@ import re
 from torch import nn
 
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.llama import DecoderModel
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 
 _PARTS = {"w1": "gate", "w2": "down", "w3": "up"}
@@ -21,9 +22,14 @@ def mixtral_moe(config: ModelConfig, layer: int) -> nn.Module:
     return SparseMoeBlock(config, weights_in_fp32=True)
 
 
+class MixtralDecoderModel(DecoderModel):
+    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+        super().__init__(config, qk_norm, mixtral_moe)
+
+
 class MixtralForCausalLM(Qwen3MoeForCausalLM):
     qk_norm = False
-    make_mlp = staticmethod(mixtral_moe)
+    decoder_class = MixtralDecoderModel
 
     @classmethod
     def moe_shapes(cls, prefix: str, config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -18,7 +18,7 @@ from torch import nn
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.moe import FusedMoE
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import MLP, LlamaForCausalLM
+from pagedllm.models.llama import MLP, DecoderModel, LlamaForCausalLM
 
 # mlp.experts.{e}.{gate,up,down}_proj.weight: one expert's projection
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -52,9 +52,16 @@ def qwen_moe_mlp(config: ModelConfig, layer: int) -> nn.Module:
     return SparseMoeBlock(config) if config.is_moe_layer(layer) else MLP(config)
 
 
+class QwenMoeDecoderModel(DecoderModel):
+    """The Llama decoder with a sparse block in the layers config.is_moe_layer names."""
+
+    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+        super().__init__(config, qk_norm, qwen_moe_mlp)
+
+
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     qk_norm = True
-    make_mlp = staticmethod(qwen_moe_mlp)
+    decoder_class = QwenMoeDecoderModel
 
     @classmethod
     def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:

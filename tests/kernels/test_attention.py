@@ -1,4 +1,5 @@
-"""Paged attention (torch_native backend) against a dense causal attention reference."""
+"""Paged attention (torch_native backend) against a dense causal attention reference, with
+and without a sliding window and a soft-cap on the scores."""
 from __future__ import annotations
 
 import pytest
@@ -11,14 +12,19 @@ H, HKV, D = 6, 2, 16
 SCALE = D ** -0.5
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
-    """q [Lq, H, D] at positions q_start.., k/v [Lk, HKV, D] at 0..Lk-1; causal, GQA by repeat."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [Lq, H, D] at positions q_start.., k/v [Lk, HKV, D] at 0..Lk-1; causal, GQA by
+    repeat; a query at p sees keys p - window + 1 .. p; scores s -> cap * tanh(s / cap)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * SCALE
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     qpos = torch.arange(q.shape[0])[:, None] + q_start
     kpos = torch.arange(k.shape[0])[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    hidden = (kpos > qpos) | ((kpos <= qpos - window) if window is not None else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
@@ -38,8 +44,11 @@ def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[i
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 2.0), (6, 2.0)],
+                         ids=["plain", "window", "softcap", "window-softcap"])
 @pytest.mark.parametrize("block_size", [1, 4, 16, 256])
-def test_prefill_with_and_without_cached_prefix_and_decode_match_dense(block_size):
+def test_prefill_with_and_without_cached_prefix_and_decode_match_dense(block_size, window,
+                                                                      softcap):
     gen = torch.Generator().manual_seed(block_size)
     lengths = [1, 5, 17, 33]          # total tokens per sequence
     cached = [0, 4, 16, 0]             # block-aligned prefix already in the cache (for bs=4/16)
@@ -66,10 +75,10 @@ def test_prefill_with_and_without_cached_prefix_and_decode_match_dense(block_siz
     seqlens_q = [n - c for n, c in zip(lengths, cached)]
     ctx = Context(is_prefill=True, slot_mapping=slots, seqlens_q=seqlens_q, seqlens_k=lengths,
                   block_tables=padded if any(cached) else None)
-    out = torch_native.attention(q, k, v, k_cache, v_cache, ctx, SCALE)
+    out = torch_native.attention(q, k, v, k_cache, v_cache, ctx, SCALE, window, softcap)
     start = 0
     for i, (n, c) in enumerate(zip(lengths, cached)):
-        ref = dense_attention(qs[i][c:], ks[i], vs[i], c)
+        ref = dense_attention(qs[i][c:], ks[i], vs[i], c, window, softcap)
         torch.testing.assert_close(out[start:start + n - c], ref, atol=1e-5, rtol=1e-5)
         start += n - c
 
@@ -80,16 +89,19 @@ def test_prefill_with_and_without_cached_prefix_and_decode_match_dense(block_siz
             t.append(next(b for b in range(num_blocks) if all(b not in tt for tt in tables)))
     width = max(len(t) for t in tables)
     padded_new = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
+    if window is not None:  # blocks wholly out of the window are freed: never read
+        for row, n in enumerate(new_lengths):
+            padded_new[row, :max(0, n - window) // block_size] = -1
     qd = torch.randn(len(lengths), H, D, generator=gen)
     kd = torch.randn(len(lengths), HKV, D, generator=gen)
     vd = torch.randn(len(lengths), HKV, D, generator=gen)
     slots = torch.tensor([slots_for(t, n - 1, n, block_size)[0] for t, n in zip(tables, new_lengths)])
     ctx = Context(is_prefill=False, slot_mapping=slots, block_tables=padded_new,
                   context_lens=torch.tensor(new_lengths))
-    out = torch_native.attention(qd, kd, vd, k_cache, v_cache, ctx, SCALE)
+    out = torch_native.attention(qd, kd, vd, k_cache, v_cache, ctx, SCALE, window, softcap)
     for i, n in enumerate(lengths):
         k_all, v_all = torch.cat([ks[i], kd[i:i + 1]]), torch.cat([vs[i], vd[i:i + 1]])
-        ref = dense_attention(qd[i:i + 1], k_all, v_all, n)
+        ref = dense_attention(qd[i:i + 1], k_all, v_all, n, window, softcap)
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
 
 

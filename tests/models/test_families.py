@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from family_harness import (Built, Family, assert_bf16_close, build, greedy, hf_greedy,
-                            max_logit_error, prompt_ids, run_engine)
+from family_harness import (Built, Family, assert_beam_search_equals_hf, assert_bf16_close,
+                            assert_tp2_equals_hf, build, greedy, hf_greedy, max_logit_error,
+                            prompt_ids, run_engine)
 from pagedllm import LLM
+from pagedllm.loader import load_model_source
 
 
 def _phi3_gguf_metadata(writer, config) -> None:
@@ -73,6 +75,7 @@ def test_logits_match_hf(models, family, fmt):
     "prefix-cache",
     pytest.param("no-prefix-cache", marks=pytest.mark.slow),
     pytest.param("preempt", marks=pytest.mark.slow),
+    pytest.param("swap", marks=pytest.mark.slow),
     pytest.param("chunked", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -121,3 +124,81 @@ def test_interleaved_or_global_models_keep_every_block(models):
     built, _, _ = models("qwen2")
     llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=4 * 2**20)
     assert llm.engine.scheduler.block_manager.sliding_window is None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
+    """bf16 with every fast path the family can take (C++ kernels, the one-call decode
+    stack) gives the tokens the op-by-op forward (enforce_eager) gives."""
+    built, prompts, _ = models(family)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(built.hf_dir), dtype="bfloat16", kv_cache_memory_bytes=16 * 2**20,
+                  enforce_eager=eager)
+        outs.append([o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tensor_parallel_2_equals_hf(models, family):
+    built, prompts, reference = models(family)
+    assert_tp2_equals_hf(built, prompts, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_beam_search_equals_hf(models, family):
+    built, prompts, _ = models(family)
+    assert_beam_search_equals_hf(built, prompts[:4])
+
+
+def test_an_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
+    import json
+
+    from pagedllm.loader import ModelLoadError, load_model_source
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
+    with pytest.raises(ModelLoadError, match="GPTNeoXForCausalLM.*supported: .*Mistral"
+                                             "ForCausalLM.*Qwen2ForCausalLM.*Phi3ForCausalLM"):
+        load_model_source(str(tmp_path))
+
+
+def test_a_tensor_that_does_not_match_the_config_is_named_with_both_shapes(models, tmp_path):
+    import json
+    import shutil
+
+    from pagedllm.loader import ModelLoadError, load_model_source
+    built, _, _ = models("phi3")
+    copy = tmp_path / "phi3"
+    shutil.copytree(built.hf_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["intermediate_size"] = 96                    # the checkpoint's is 128
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' "
+                                             r"has shape \[\d+, \d+\], but the model's "
+                                             r"hyper-parameters need \[\d+, \d+\]"):
+        load_model_source(str(copy))
+
+
+@pytest.mark.slow
+def test_the_server_serves_a_family_with_the_official_client(models, start_server):
+    """`pagedllm serve` on the GGUF of a family other than Llama: the openai client's
+    completions (token-id prompts, greedy) equal HF's replies; chat uses the file's template."""
+    openai = pytest.importorskip("openai")
+    built, prompts, reference = models("phi3")
+    proc = start_server("phi3-server", ["--model", str(built.gguf), "--max-model-len", "256"])
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        tokenizer = load_model_source(str(built.gguf)).tokenizer
+        for ids, ref in list(zip(prompts, reference))[:3]:
+            out = client.completions.create(model=model, prompt=ids, max_tokens=len(ref),
+                                            temperature=0, extra_body={"min_tokens": len(ref)})
+            assert out.choices[0].text == tokenizer.decode(ref)
+        chat = client.chat.completions.create(
+            model=model, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "Hello"}])
+        assert chat.choices[0].finish_reason in ("length", "stop")
+    finally:
+        proc.stop_and_check()

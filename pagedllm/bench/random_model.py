@@ -1,0 +1,102 @@
+"""Randomly initialised models with real families' exact shapes, for speed measurements
+(speed does not depend on weight values; no model is downloaded).
+
+    python -m pagedllm.bench.random_model qwen2.5-0.5b /tmp/qwen2.5-0.5b
+    pagedllm bench throughput --model /tmp/qwen2.5-0.5b --compare hf
+
+Each preset is the published config.json of the model it names, built with transformers'
+own class; the largest keep their per-layer shapes with fewer layers (the name says so)
+so that they fit beside HF transformers in 24 GiB. The bundled model's tokenizer is saved
+beside the weights (the benchmarks send token ids drawn within its vocabulary).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+# name -> (transformers config class, config kwargs)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-0.5b": ("Qwen2Config", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "mistral-7b-8layers": ("MistralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "phi-4-mini-8layers": ("Phi3Config", dict(
+        vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+        num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+        rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
+                          long_factor=[1.0 + i / 8 for i in range(48)]),
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=0)),
+    "gemma-3-1b": ("Gemma3TextConfig", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                     for i in range(26)])),
+    "gemma-2-2b": ("Gemma2Config", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6)),
+    "qwen3-30b-a3b-4layers": ("Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "mixtral-8x7b-2layers": ("MixtralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False)),
+}
+# what transformers' class is called for each config class
+_MODEL_CLASSES = {"Qwen2Config": "Qwen2ForCausalLM", "MistralConfig": "MistralForCausalLM",
+                  "Phi3Config": "Phi3ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM",
+                  "Gemma2Config": "Gemma2ForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+                  "MixtralConfig": "MixtralForCausalLM"}
+
+
+def make_random_model(preset: str, out_dir: str, dtype: torch.dtype = torch.bfloat16,
+                      seed: int = 0) -> str:
+    """Save the preset's randomly initialised model (and the bundled tokenizer) to out_dir."""
+    import transformers
+
+    from pagedllm.loader import load_model_source
+    config_class, kwargs = PRESETS[preset]
+    config = getattr(transformers, config_class)(bos_token_id=1, eos_token_id=2, **kwargs)
+    torch.manual_seed(seed)
+    model_class = getattr(transformers, _MODEL_CLASSES[config_class])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)   # built in dtype: a 4B model in fp32 would double the peak
+    try:
+        model = model_class(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(out_dir)
+    load_model_source(None).tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset", choices=sorted(PRESETS))
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    make_random_model(args.preset, args.out_dir, getattr(torch, args.dtype))
+    print(f"{args.preset}: saved to {args.out_dir} in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
