@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from family_harness import (Built, Family, assert_bf16_close, build as build_family, greedy,
-                            hf_greedy, max_logit_error, prompt_ids, run_engine)
+from family_harness import (Built, Family, assert_beam_search_equals_hf, assert_bf16_close,
+                            build as build_family, greedy, hf_greedy, max_logit_error,
+                            prompt_ids, run_engine)
 from pagedllm import LLM
 from pagedllm.distributed import set_tp
 from pagedllm.kernels import probes
@@ -272,6 +273,7 @@ def test_logits_match_hf(models, family, fmt):
     "prefix-cache",
     pytest.param("no-prefix-cache", marks=pytest.mark.slow),
     pytest.param("preempt", marks=pytest.mark.slow),
+    pytest.param("swap", marks=pytest.mark.slow),
     pytest.param("chunked", marks=pytest.mark.slow),
 ])
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -288,6 +290,26 @@ def test_greedy_matches_hf(models, family, fmt, setting):
 def test_bf16_close_to_hf_bf16(models, family):
     built, prompts, _ = models(family)
     assert_bf16_close(built, "hf", prompts)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
+    """bf16 with the C++ kernels (the experts' weight-streaming linears; the one-call decode
+    stack declines MoE layers) gives the tokens the op-by-op forward (enforce_eager) gives."""
+    built, prompts, _ = models(family)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(built.hf_dir), dtype="bfloat16", kv_cache_memory_bytes=16 * 2**20,
+                  enforce_eager=eager)
+        outs.append([o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_beam_search_equals_hf(models, family):
+    built, prompts, _ = models(family)
+    assert_beam_search_equals_hf(built, prompts[:4])
 
 
 @pytest.mark.slow
