@@ -112,7 +112,7 @@ def load_gguf(path: str) -> ModelSource:
         tokenizer = tokenizer_from_gguf(metadata)
     names = _hf_names(reader, metadata["general.architecture"], path)
     shapes = dict(kv for t in reader.tensors if names[t.name]
-                  for kv in _split_experts(names[t.name], _hf_shape(t)))
+                  for kv in _split_experts(names[t.name], _hf_shape(t), config, path))
     check_weight_shapes(shapes, config, path)
     weight_names = list(shapes)
 
@@ -497,11 +497,15 @@ def _hf_names(reader: GGUFReader, arch: str, path: str) -> dict[str, str | None]
     return names
 
 
-def _split_experts(hf_name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+def _split_experts(hf_name: str, shape: tuple[int, ...], config: ModelConfig,
+                   path: str) -> list[tuple[str, tuple[int, ...]]]:
     """A stacked experts tensor [E, rows, cols] as its E per-expert names and shapes; any
     other tensor as itself."""
     if _PER_EXPERT not in hf_name:
         return [(hf_name, shape)]
+    if len(shape) != 3 or shape[0] != config.num_experts:
+        raise ModelLoadError(f"{path!r}: stacked experts tensor for {hf_name!r} has shape "
+                             f"{list(shape)}; the model needs [{config.num_experts}, rows, cols]")
     return [(hf_name.replace(_PER_EXPERT, str(e)), shape[1:]) for e in range(shape[0])]
 
 

@@ -36,6 +36,9 @@ def check_weight_shapes(declared: Mapping[str, Sequence[int]], config: ModelConf
     if config.num_hidden_layers > len(declared):  # before enumerating a hostile layer count
         raise ModelLoadError(f"{path!r}: the model declares {config.num_hidden_layers} layers but "
                              f"the file holds only {len(declared)} tensors")
+    if 3 * config.num_experts > len(declared):  # each expert has 3 tensors in a MoE layer
+        raise ModelLoadError(f"{path!r}: the model declares {config.num_experts} experts but the "
+                             f"file holds only {len(declared)} tensors")
     expected = expected_weight_shapes(config)
     for name, shape in declared.items():
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):

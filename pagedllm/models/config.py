@@ -93,6 +93,20 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.num_experts:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts} (the number "
+                             f"of experts), got {self.num_experts_per_tok!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must not be negative, got "
+                             f"{self.shared_expert_intermediate_size}")
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of a layer (None: it sees the whole context)."""

@@ -392,3 +392,45 @@ def test_decoder_sparse_step_and_mlp_only_layers_match_hf(tmp_path):
     assert [type(layer.mlp) for layer in layers] == [MLP, SparseMoeBlock, MLP, MLP]
     prompts = prompt_ids(llm)[:3]
     assert max_logit_error(llm, hf, prompts) < 1e-4
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok must be in 1..8"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size must be a positive integer"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step must be a positive integer"),
+])
+def test_config_rejects_impossible_expert_settings(change, message):
+    from pagedllm.models.config import ModelConfig
+    base = dict(architecture="qwen3_moe", vocab_size=100, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    ModelConfig(**base)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**base, **change})
+
+
+def test_a_gguf_whose_stacked_experts_do_not_match_its_expert_count_is_refused(models, tmp_path):
+    import gguf
+    from pagedllm.loader import ModelLoadError, load_model_source
+    built, _, _ = models("qwen2-moe")
+    for count in (5, 2**32 - 1):  # (the file holds 6)
+        reader = gguf.GGUFReader(str(built.gguf), "r+")
+        field = reader.fields["qwen2moe.expert_count"]
+        field.parts[field.data[0]][0] = count
+        path = tmp_path / f"{count}.gguf"
+        path.write_bytes(bytes(reader.data))
+        with pytest.raises(ModelLoadError, match=rf"has shape \[6, 32, 64\]; the model needs \[{count},"):
+            load_model_source(str(path))
+
+
+def test_a_config_declaring_more_experts_than_the_checkpoint_holds_is_refused(models, tmp_path):
+    """A hostile expert count fails on the tensor count, before expert names are listed."""
+    import json
+    import shutil
+    from pagedllm.loader import ModelLoadError, load_model_source
+    built, _, _ = models("qwen2-moe")
+    shutil.copytree(built.hf_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_experts": 10**9}))
+    with pytest.raises(ModelLoadError, match="declares 1000000000 experts"):
+        load_model_source(str(tmp_path / "m"))
