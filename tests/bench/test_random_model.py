@@ -1,0 +1,25 @@
+"""The benchmark's random models: every preset is a config pagedllm loads as its family."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.bench import random_model
+from pagedllm.loader.hf_loader import config_from_hf
+from pagedllm.models.registry import model_class
+
+FAMILY_OF = {"qwen2.5-0.5b": "qwen2", "mistral-7b-8layers": "mistral",
+             "phi-4-mini-8layers": "phi3", "gemma-3-1b": "gemma3", "gemma-2-2b": "gemma2",
+             "qwen3-30b-a3b-4layers": "qwen3_moe", "mixtral-8x7b-2layers": "mixtral"}
+
+
+@pytest.mark.parametrize("preset", sorted(random_model.PRESETS))
+def test_every_preset_is_a_config_pagedllm_loads_as_its_family(preset):
+    transformers = pytest.importorskip("transformers")
+    config_class, kwargs = random_model.PRESETS[preset]
+    hf = getattr(transformers, config_class)(**kwargs).to_dict()
+    hf["architectures"] = [random_model._MODEL_CLASSES[config_class]]
+    config = config_from_hf(hf, preset)
+    assert config.architecture == FAMILY_OF[preset]
+    model_class(config)                               # a registered class
+    assert config.hidden_size == kwargs["hidden_size"]
+    assert config.num_hidden_layers == kwargs["num_hidden_layers"]
