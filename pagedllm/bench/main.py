@@ -130,13 +130,16 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
 
 
-def build_workloads(args: argparse.Namespace) -> list[wl.Workload]:
+def build_workloads(args: argparse.Namespace,
+                    id_range: tuple[int, int] = wl.TOKEN_ID_RANGE) -> list[wl.Workload]:
     names = ["throughput", "latency", "prefix"] if args.workload == "all" else [args.workload]
     out = []
     for name in names:
         if name == "throughput":
             make = wl.throughput_w1 if args.shape == "w1" else wl.throughput_nanovllm
             kw: dict[str, Any] = {"seed": args.seed, "num_prompts": args.num_prompts or 64}
+            if args.shape == "w1":
+                kw["id_range"] = id_range
             if args.input_len:
                 kw["input_len"] = args.input_len
             if args.output_len:
@@ -144,14 +147,14 @@ def build_workloads(args: argparse.Namespace) -> list[wl.Workload]:
             out.append(make(**kw))
         elif name == "latency":
             out.append(wl.latency_w2((args.input_len or (128, 128))[0],
-                                     (args.output_len or (256, 256))[0], args.seed))
+                                     (args.output_len or (256, 256))[0], args.seed, id_range))
         elif name == "prefix":
             out.append(wl.prefix_w3(args.num_prompts or 32, args.prefix_len,
                                     (args.input_len or (32, 32))[0],
-                                    (args.output_len or (32, 32))[0], args.seed))
+                                    (args.output_len or (32, 32))[0], args.seed, id_range))
         elif name == "serve":
             out.append(wl.throughput_w1(args.num_prompts or 64, args.input_len or (32, 512),
-                                        args.output_len or (32, 256), args.seed))
+                                        args.output_len or (32, 256), args.seed, id_range))
     return out
 
 
@@ -179,7 +182,6 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workloads = build_workloads(args)
         self.dtypes = resolve_dtypes(args.dtype)
         self.results: list[BenchResult] = []
         self.notes: list[str] = []
@@ -187,6 +189,7 @@ class Bench:
         self.model_path = args.model or default_model_path()
         source = load_model_source(self.model_path)
         self.model_config, self.tokenizer = source.config, source.tokenizer
+        self.workloads = build_workloads(args, wl.token_id_range(self.model_config.vocab_size))
         self.cost: ModelCost = model_cost(self.model_config)
         self.machine: MachineMeasurement | None = None
         self.load_at_start = [round(x, 2) for x in os.getloadavg()]

@@ -15,6 +15,12 @@ import numpy as np
 TOKEN_ID_RANGE = (1000, 40000)
 
 
+def token_id_range(vocab_size: int) -> tuple[int, int]:
+    """TOKEN_ID_RANGE cut to a smaller vocabulary (Mistral's and Mixtral's 32000); the same
+    range, so the same workloads, for every vocabulary of 40000 tokens or more."""
+    return TOKEN_ID_RANGE[0], min(TOKEN_ID_RANGE[1], vocab_size)
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
@@ -85,9 +91,10 @@ def random_workload(name: str, num_prompts: int, input_len: tuple[int, int],
 
 
 def throughput_w1(num_prompts: int = 64, input_len: tuple[int, int] = (32, 512),
-                  output_len: tuple[int, int] = (32, 256), seed: int = 0) -> Workload:
+                  output_len: tuple[int, int] = (32, 256), seed: int = 0,
+                  id_range: tuple[int, int] = TOKEN_ID_RANGE) -> Workload:
     """W1 of issue 3: the offline throughput workload engines are compared on."""
-    return random_workload("throughput", num_prompts, input_len, output_len, seed)
+    return random_workload("throughput", num_prompts, input_len, output_len, seed, id_range)
 
 
 def throughput_nanovllm(num_prompts: int = 256, input_len: tuple[int, int] = (100, 1024),
@@ -97,15 +104,18 @@ def throughput_nanovllm(num_prompts: int = 256, input_len: tuple[int, int] = (10
                            id_range=(0, 10001))
 
 
-def latency_w2(input_len: int = 128, output_len: int = 256, seed: int = 0) -> Workload:
+def latency_w2(input_len: int = 128, output_len: int = 256, seed: int = 0,
+               id_range: tuple[int, int] = TOKEN_ID_RANGE) -> Workload:
     """W2: one request, for time to first token and single-stream decode speed."""
-    w = random_workload("latency", 1, (input_len, input_len), (output_len, output_len), seed)
+    w = random_workload("latency", 1, (input_len, input_len), (output_len, output_len), seed,
+                        id_range)
     return Workload("latency", f"1 request, prompt {input_len}, output {output_len} tokens",
                     w.requests, w.params)
 
 
 def prefix_w3(num_prompts: int = 32, prefix_len: int = 1024, suffix_len: int = 32,
-              output_len: int = 32, seed: int = 0) -> Workload:
+              output_len: int = 32, seed: int = 0,
+              id_range: tuple[int, int] = TOKEN_ID_RANGE) -> Workload:
     """W3: requests sharing one prefix, each with its own suffix: prefix caching at work."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -113,11 +123,11 @@ def prefix_w3(num_prompts: int = 32, prefix_len: int = 1024, suffix_len: int = 3
     _check_range("suffix length", suffix_len, suffix_len)
     _check_range("output length", output_len, output_len)
     rng = np.random.default_rng(seed)
-    prefix = _random_ids(rng, prefix_len, TOKEN_ID_RANGE)
-    requests = [BenchRequest(prefix + _random_ids(rng, suffix_len, TOKEN_ID_RANGE), output_len,
+    prefix = _random_ids(rng, prefix_len, id_range)
+    requests = [BenchRequest(prefix + _random_ids(rng, suffix_len, id_range), output_len,
                              shared_prefix_len=prefix_len) for _ in range(num_prompts)]
     params = {"num_prompts": num_prompts, "prefix_len": prefix_len, "suffix_len": suffix_len,
-              "output_len": output_len, "token_id_range": list(TOKEN_ID_RANGE), "seed": seed}
+              "output_len": output_len, "token_id_range": list(id_range), "seed": seed}
     desc = (f"{num_prompts} requests, shared {prefix_len}-token prefix + {suffix_len}-token "
             f"suffix, output {output_len} tokens")
     return Workload("prefix", desc, requests, params)

@@ -61,3 +61,14 @@ def test_warmup_never_shares_a_block_with_w3():
 def test_bad_workload_parameters_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         wl.throughput_w1(**kwargs)
+
+
+def test_token_ids_stay_inside_a_small_vocabulary_and_large_ones_keep_the_workloads():
+    assert wl.token_id_range(49152) == wl.TOKEN_ID_RANGE
+    assert wl.token_id_range(32000) == (1000, 32000)
+    small = wl.throughput_w1(8, id_range=wl.token_id_range(32000))
+    assert max(max(r.prompt_token_ids) for r in small.requests) < 32000
+    same = wl.throughput_w1(8, id_range=wl.token_id_range(151936))
+    default = wl.throughput_w1(8)
+    assert [r.prompt_token_ids for r in same.requests] == [
+        r.prompt_token_ids for r in default.requests]
