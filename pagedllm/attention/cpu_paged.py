@@ -268,13 +268,25 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
+def _longest_context(ctx: Context) -> int:
+    """The step's longest row in tokens (cached and new), 0 if the context does not say."""
+    if ctx.seqlens_k:
+        return max(ctx.seqlens_k)
+    if ctx.context_lens is not None and len(ctx.context_lens):
+        return int(ctx.context_lens.max())
+    return 0
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, ctx: Context, scale: float, window: int | None = None,
               softcap: float | None = None) -> torch.Tensor:
     """Same contract as torch_native.attention."""
+    if window is not None and 0 < _longest_context(ctx) <= window:
+        window = None  # every row's context fits in the window: it hides nothing
     if not k_cache.numel() or window is not None or softcap is not None:
-        # no cache bound (profiling runs): nothing to read in place; windows and soft-caps:
-        # torch's path (the kernels attend over every cached token, uncapped)
+        # no cache bound (profiling runs): nothing to read in place; windows shorter than a
+        # context and soft-caps: torch's path (the kernels attend over every cached token,
+        # uncapped)
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
     ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     # q is a view into the step's qkv projection: the kernel reads it in place (a copy cost

@@ -265,7 +265,8 @@ class Bench:
         runner: Runner = make()
         try:
             if self.args.warmup:
-                runner.warmup(wl.warmup_workload())
+                runner.warmup(wl.warmup_workload(
+                    id_range=wl.token_id_range(self.model_config.vocab_size)))
             for w in workloads or self.workloads:
                 self._step(f"{runner.engine} {dtype} {w.name}")
                 if w.name == "latency":

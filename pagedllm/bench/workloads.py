@@ -133,9 +133,9 @@ def prefix_w3(num_prompts: int = 32, prefix_len: int = 1024, suffix_len: int = 3
     return Workload("prefix", desc, requests, params)
 
 
-def warmup_workload(seed: int = 12345) -> Workload:
+def warmup_workload(seed: int = 12345, id_range: tuple[int, int] = TOKEN_ID_RANGE) -> Workload:
     """A few short requests run before timing (lazy initialisation, compilation, caches).
 
     Its token ids come from another seed, so it never warms the prefix cache for W3.
     """
-    return random_workload("warmup", 2, (16, 48), (4, 8), seed)
+    return random_workload("warmup", 2, (16, 48), (4, 8), seed, id_range)

@@ -202,3 +202,23 @@ def test_the_server_serves_a_family_with_the_official_client(models, start_serve
         assert chat.choices[0].finish_reason in ("length", "stop")
     finally:
         proc.stop_and_check()
+
+
+def test_a_window_wider_than_every_context_takes_the_cpp_kernels(tmp_path, monkeypatch):
+    """Mistral with a 256-token window and contexts under 110 tokens: the window hides
+    nothing, so the C++ kernels attend (not torch's masked path); replies equal HF's."""
+    from pagedllm.attention import torch_native
+    wide = Family("mistral-wide", "MistralForCausalLM", "MistralConfig", "llama",
+                  dict(sliding_window=256, tie_word_embeddings=False))
+    built = build(wide, tmp_path)
+    calls = []
+    real = torch_native.attention
+    monkeypatch.setattr(torch_native, "attention",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    llm = LLM(str(built.hf_dir), dtype="float32", kv_cache_memory_bytes=16 * 2**20)
+    if llm.engine.model_runner.attention_backend != "cpu_paged":
+        pytest.skip("the C++ kernels did not build here")
+    prompts = prompt_ids(llm)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert not calls
+    assert [o.token_ids for o in outs] == hf_greedy(built.hf, prompts)
