@@ -123,6 +123,7 @@ def engine_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     try:
         with torch.inference_mode():
             input_ids, positions = runner.prepare_inputs([seq], [seq.num_uncomputed_tokens])
+            assert get_context().is_prefill
             logits = runner.model.compute_logits(runner.model(input_ids, positions))
     finally:
         reset_context()

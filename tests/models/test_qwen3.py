@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from family_harness import engine_logits  # tests/ (pytest prepends the rootdir)
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention.context import get_context, reset_context
-from pagedllm.engine.sequence import Sequence
 from pagedllm.loader import load_model_source
 
 PROMPTS = ["Hello, my name is", "The quick brown fox", "def add(a, b):", "你好，世界"]
@@ -38,23 +37,6 @@ def qwen3_dir(tmp_path_factory):
 def llm(qwen3_dir):
     return LLM(str(qwen3_dir[0]), dtype="float32", kv_cache_memory_bytes=32 * 2**20,
                check_invariants=True)
-
-
-def engine_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """Logits of every prompt position, through our paged prefill path."""
-    engine = llm.engine
-    bm, runner = engine.scheduler.block_manager, engine.model_runner
-    seq = Sequence(token_ids, SamplingParams(), engine.config.block_size)
-    bm.allocate_slots(seq, len(seq) - bm.num_reusable_tokens(seq))
-    try:
-        with torch.inference_mode():
-            input_ids, positions = runner.prepare_inputs([seq], [seq.num_uncomputed_tokens])
-            assert get_context().is_prefill
-            logits = runner.model.compute_logits(runner.model(input_ids, positions))
-    finally:
-        reset_context()
-        bm.deallocate(seq)
-    return logits
 
 
 def test_logits_match_hf(llm, qwen3_dir):
