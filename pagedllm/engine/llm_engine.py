@@ -5,8 +5,11 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import torchrun_env
+from pagedllm.kernels.probes import gguf_linear_available
 from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
@@ -18,7 +21,8 @@ from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, S
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
 from pagedllm.engine.tp.worker import serve_worker_rank, worker_main
-from pagedllm.loader import load_model_source
+from pagedllm.layers.gguf_packing import SUPPORTED_TYPES
+from pagedllm.loader import ModelSource, load_model_source
 from pagedllm.loader.validate import check_fits_in_memory
 from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -64,10 +68,27 @@ class _RequestState:
         return all(s.seq.is_finished for s in self.samples)
 
 
+def _default_quantization(config: EngineConfig, source: ModelSource) -> str:
+    """gguf for a GGUF file with types the CPU kernel takes, where the options leave it
+    free (CPU, one rank, dtype auto), else none."""
+    cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    free = config.dtype == "auto" and config.tensor_parallel_size == 1
+    if (source.format == "gguf" and cpu and free and SUPPORTED_TYPES & source.tensor_types
+            and gguf_linear_available()):
+        return "gguf"
+    return "none"
+
+
+def _type_names(types: frozenset) -> str:
+    return ", ".join(sorted(t.name for t in types))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         source = load_model_source(config.model)
+        if config.quantization is None:
+            config.quantization = _default_quantization(config, source)
         self.model_config = source.config
         self.tokenizer: Tokenizer = source.tokenizer
         config.resolve(min(source.config.max_position_embeddings,
@@ -79,18 +100,25 @@ class LLMEngine:
             env = torchrun_env()
             if env is not None and env.world_size > 1 and env.rank != 0:
                 serve_worker_rank(config, env)  # never returns: this rank only runs shards
-        q4_1 = None
+        keep = frozenset()
         if config.quantization == "gguf":
             if source.format != "gguf":
                 raise ValueError(f"quantization=gguf needs a GGUF model; {source.path!r} is "
                                  f"{source.format}")
-            q4_1 = source.q4_1_weights()
+            if not gguf_linear_available():
+                raise ValueError("quantization=gguf needs the CPU kernels built with AVX2 "
+                                 "(+FMA, F16C) or AVX-512 (this CPU or build has neither)")
+            keep = SUPPORTED_TYPES & source.tensor_types
+            logger.info("quantization gguf: %s weights kept quantized, %s dequantized to %s",
+                        _type_names(keep) or "no", _type_names(source.tensor_types - keep)
+                        or "no", config.dtype)
         dist_info = workers = None
         if config.tensor_parallel_size > 1:  # rank 0: the other ranks join it, or it starts them
             dist_info, spawn = rank0_dist_info(config.tensor_parallel_size)
             workers = WorkerProcesses(config, dist_info, spawn, target=worker_main)
-        self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype),
-                                        dist_info, q4_1, workers)
+        self.model_runner = ModelRunner(config, source.config,
+                                        source.weights(config.torch_dtype, keep), dist_info,
+                                        workers)
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_kvcache_blocks, block_size=config.block_size,

@@ -131,13 +131,27 @@ def argmax_rows(x: Tensor) -> Tensor:
 
 # ---- the one-call decode stack (decode_stack.cpp) -----------------------------------------------
 
-def decode_layers(x: Tensor, positions: Tensor, weights: list[Tensor], k_caches: list[Tensor],
-                  v_caches: list[Tensor], cos: Tensor, sin: Tensor, slot_mapping: Tensor,
-                  block_tables: Tensor, q_starts: Tensor, q_lens: Tensor, k_lens: Tensor,
-                  num_heads: int, num_kv_heads: int, eps: float, scale: float, small_rows: int,
-                  amx_rows: int, prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
+def stack_linear(weight: Tensor, packed: Tensor, parts: list[Tensor], part_types: list[int],
+                 part_rows: list[int], bias: Tensor | None) -> object:
+    """A linear layer's description for decode_layers (ops.h StackLinear)."""
+    return _ext.StackLinear(weight, packed, parts, part_types, part_rows, bias)
+
+
+def stack_layer(input_norm: Tensor, post_norm: Tensor, q_norm: Tensor | None,
+                k_norm: Tensor | None, qkv: object, o: object, gate_up: object, down: object,
+                k_cache: Tensor, v_cache: Tensor) -> object:
+    """A decoder layer's description for decode_layers (ops.h StackLayer)."""
+    return _ext.StackLayer(input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down,
+                           k_cache, v_cache)
+
+
+def decode_layers(x: Tensor, positions: Tensor, layers: list[object], final_norm: Tensor,
+                  cos: Tensor, sin: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                  q_starts: Tensor, q_lens: Tensor, k_lens: Tensor, num_heads: int,
+                  num_kv_heads: int, eps: float, scale: float, small_rows: int, amx_rows: int,
+                  prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
     """A bf16 decode step's decoder layers and final norm in one call (see ops.h)."""
-    return _ext.decode_layers(x, positions, weights, k_caches, v_caches, cos, sin, slot_mapping,
+    return _ext.decode_layers(x, positions, layers, final_norm, cos, sin, slot_mapping,
                               block_tables, q_starts, q_lens, k_lens, num_heads, num_kv_heads,
                               eps, scale, small_rows, amx_rows, prefix_blocks, prefix_first)
 
@@ -177,3 +191,12 @@ def has_forward_hooks(module: nn.Module) -> bool:
     return bool(module._forward_pre_hooks or module._forward_hooks
                 or nn.modules.module._global_forward_hooks
                 or nn.modules.module._global_forward_pre_hooks)
+
+
+def gguf_linear(x, packed, qtype, n, out=None, fp32_out=False):  # SHIM
+    y = (x.float() @ packed.t())
+    y = y if fp32_out else y.to(torch.bfloat16)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y

@@ -51,6 +51,13 @@ def has_packed_linear() -> bool:
 
 
 @functools.cache
+def gguf_linear_available() -> bool:
+    """The GGUF linear kernel (csrc/gguf_linear.cpp) runs: built with AVX-512 or AVX2."""
+    ext = build.load()
+    return ext is not None and bool(getattr(ext, "gguf_linear_isa", lambda: "SHIM")())
+
+
+@functools.cache
 def has_amx() -> bool:
     """The AMX kernels (prompt attention, linear) run here."""
     ext = build.load()

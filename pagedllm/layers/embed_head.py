@@ -8,9 +8,13 @@ from torch import nn
 
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
 from pagedllm.layers.linear import LinearLayer
+from pagedllm.layers.quantized import embedding_rows
 
 
 class VocabParallelEmbedding(nn.Module):
+    # a GGUF embedding kept quantized (layers/quantized.py), in place of the weight
+    gguf_parts: list | None = None
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -26,6 +30,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:part.shape[0]].copy_(part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_parts is not None:
+            return embedding_rows(self, input_ids, self.weight.dtype)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start

@@ -20,6 +20,7 @@ class LinearLayer:
 
     linear_method: LinearMethod = TorchLinearMethod()
     packed_weight: torch.Tensor | None = None
+    gguf_parts: list | None = None  # a GGUF weight kept quantized (layers/quantized.py)
     fp32_out = False  # the LM head: fp32 logits where the kernel has them
 
     def process_weights_after_loading(self) -> None:

@@ -306,3 +306,14 @@ def _as_blocks(raw: torch.Tensor, shape: tuple[int, ...], block_size: int, type_
             f"tensor {name!r} ({qtype.name}, shape {list(shape)}) should hold {expected} bytes but "
             f"has {raw.numel()}: the file is truncated or corrupt")
     return raw.view(-1, type_size)
+
+
+def quantized_rows(data: np.ndarray | bytes | bytearray | memoryview,
+                   qtype: GGMLQuantizationType, shape: Sequence[int],
+                   name: str = "<unnamed>") -> torch.Tensor:
+    """A 2-D quantized tensor's bytes, checked against ``shape`` ([rows, cols]), as uint8
+    [rows, bytes per row]: row r's blocks in order (an owned copy)."""
+    shape = tuple(int(dim) for dim in shape)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = _as_blocks(_raw_bytes(data), shape, block_size, type_size, qtype, name)
+    return blocks.reshape(shape[0], shape[1] // block_size * type_size)

@@ -1,6 +1,7 @@
 """Build a model from a checkpoint's weights: construct it in its dtype on its device, copy
-the weights in, let each linear pick its method once (layers/linear_methods.py), keep GGUF
-Q4_1 weights quantized where asked, and put the CPU weights on 2 MiB pages."""
+the weights in (GGUF weights kept quantized go to layers/quantized.py instead), let each
+linear pick its method once (layers/linear_methods.py), and put the CPU weights on 2 MiB
+pages."""
 from __future__ import annotations
 
 import logging
@@ -13,20 +14,18 @@ from pagedllm import memory
 from pagedllm.kernels import ops
 from pagedllm.layers.linear import LinearLayer
 from pagedllm.layers.moe import FusedMoE
-from pagedllm.layers.quantized import keep_q4_1
+from pagedllm.layers import quantized
+from pagedllm.layers.embed_head import VocabParallelEmbedding
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
-Q4_1Weights = Iterable[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
-
-
 def build_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
-                weights: Iterable[tuple[str, torch.Tensor]],
-                q4_1_weights: Q4_1Weights | None = None, log: bool = True) -> nn.Module:
-    """The model with its weights loaded and processed, in eval mode.
-    q4_1_weights (quantization="gguf"): ModelSource.q4_1_weights(), kept quantized."""
+                weights: Iterable[tuple[str, torch.Tensor | quantized.GGUFWeight]],
+                log: bool = True) -> nn.Module:
+    """The model with its weights loaded and processed, in eval mode. GGUFWeights among the
+    weights (ModelSource.weights with types to keep) stay quantized."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -36,9 +35,8 @@ def build_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
         torch.set_default_dtype(default_dtype)
     model.load_weights(weights)  # type: ignore[operator]
     model.eval()
+    keep_gguf_weights(model, log)
     process_weights_after_loading(model, log)
-    if q4_1_weights is not None:
-        keep_q4_1(model, q4_1_weights)
     if device.type == "cpu":
         moved = move_weights_to_huge_pages(model)
         if moved and log:
@@ -46,10 +44,52 @@ def build_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model
 
 
+def keep_gguf_weights(model: nn.Module, log: bool = True) -> None:
+    """Pack the GGUF weights the layers gathered (quantization="gguf"); an LM head tied to
+    an embedding kept quantized computes from the embedding's packing."""
+    layers = [m for m in model.modules() if getattr(m, "gguf_rows", None) is not None]
+    if not layers:
+        return
+    kept = [m for m in layers
+            if quantized.finish_gguf(m, fp32_out=isinstance(m, LinearLayer) and m.fp32_out)]
+    head = getattr(model, "lm_head", None)
+    for embed in (m for m in model.modules() if isinstance(m, VocabParallelEmbedding)):
+        if (embed.gguf_parts is not None and head is not None and head is not embed
+                and head.weight is embed.weight):
+            head.gguf_parts = embed.gguf_parts
+            head.linear_method = quantized.GGUFLinearMethod(fp32_out=head.fp32_out)
+    if log:
+        types = sorted({p.qtype.name for m in kept for p in m.gguf_parts})
+        logger.info("GGUF weights kept quantized in %d of %d layers (%s): %.0f MiB",
+                    len(kept), len(layers), ", ".join(types),
+                    quantized.packed_bytes(model) / 2**20)
+
+
+def decode_read_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode token reads: every linear's weight in the form its method
+    computes from (a GGUF packing, a bf16 weight), a tied head's once, and of each MoE
+    layer's experts the share a token routes to (top_k of them)."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, LinearLayer):
+            tensors = [p.packed for p in m.gguf_parts] if m.gguf_parts is not None \
+                else [m.packed_weight if m.packed_weight is not None
+                      and m.linear_method.owns_packing else m.weight]
+            for t in tensors:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.nbytes
+        elif isinstance(m, FusedMoE):
+            total += (m.w13.nbytes + m.w2.nbytes) * m.top_k // m.num_experts
+    return total
+
+
 def process_weights_after_loading(model: nn.Module, log: bool = True) -> None:
     """Each linear layer picks its method for its loaded weight, which may pack it; each
-    MoE layer picks how its experts' projections are computed."""
-    layers = [m for m in model.modules() if isinstance(m, LinearLayer)]
+    MoE layer picks how its experts' projections are computed. (Layers computing from a
+    GGUF weight kept quantized have their method.)"""
+    layers = [m for m in model.modules()
+              if isinstance(m, LinearLayer) and m.gguf_parts is None]
     for layer in layers:
         layer.process_weights_after_loading()
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
@@ -69,6 +109,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     layers = [m for m in model.modules()
               if isinstance(m, LinearLayer) and m.packed_weight is not None]
     ours = [m.packed_weight for m in layers if m.linear_method.owns_packing]
+    ours += [p.packed for m in model.modules() for p in getattr(m, "gguf_parts", None) or ()]
     moved = memory.move_to_huge_pages(list(model.parameters()) + ours)
     moved += memory.collapse_to_huge_pages(
         [(ops.onednn_data_ptr(m.packed_weight), m.weight.nbytes)

@@ -21,6 +21,7 @@ from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
+from pagedllm.layers.quantized import GGUFWeight, take_gguf, takes_gguf
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 
@@ -235,6 +236,13 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            if isinstance(tensor, GGUFWeight):  # a GGUF weight to keep quantized
+                module = self.get_submodule(target.rpartition(".")[0])
+                if takes_gguf(module) and target.endswith(".weight"):
+                    take_gguf(module, tensor, shard)
+                    loaded.add(target)
+                    continue
+                tensor = tensor.dequantize()
             loader = getattr(param, "weight_loader", _copy_weight)
             loader(param, tensor.to(param.dtype), *shard)
             loaded.add(target)

@@ -61,3 +61,9 @@ def test_greedy_tokens_match_hf(llm, qwen3_dir):
             ref = hf.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=24,
                               min_new_tokens=24, pad_token_id=2)
         assert out.token_ids == ref[0, len(prompt_ids):].tolist()
+
+
+def test_q_k_norms_take_the_one_call_decode_stack_with_the_per_op_results(qwen3_dir, monkeypatch):
+    from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
+    tok = load_model_source(None).tokenizer
+    assert_stack_equals_per_op(str(qwen3_dir[0]), [tok.encode(p) for p in PROMPTS], monkeypatch)

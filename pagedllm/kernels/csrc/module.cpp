@@ -54,6 +54,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "rotate x [T, heads, D] in place by positions (half-rotation layout)");
   m.def("argmax_rows", &pagedllm::argmax_rows, "first index of each row's maximum");
+  py::class_<pagedllm::StackLinear>(m, "StackLinear",
+                                    "a linear layer of the decode stack (see ops.h)")
+      .def(py::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<int64_t>, c10::optional<at::Tensor>>(),
+           py::arg("weight"), py::arg("packed"), py::arg("parts"), py::arg("part_types"),
+           py::arg("part_rows"), py::arg("bias"));
+  py::class_<pagedllm::StackLayer>(m, "StackLayer",
+                                   "a decoder layer of the decode stack (see ops.h)")
+      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                    pagedllm::StackLinear, pagedllm::StackLinear, pagedllm::StackLinear,
+                    pagedllm::StackLinear, at::Tensor, at::Tensor>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("k_cache"), py::arg("v_cache"));
   m.def("decode_layers", &pagedllm::decode_layers,
         "a decode step's decoder layers for bf16 rows in one call (same results as the "
         "per-op forward)");
