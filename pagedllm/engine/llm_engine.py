@@ -73,7 +73,7 @@ def _default_quantization(config: EngineConfig, source: ModelSource) -> str:
     free (CPU, one rank, dtype auto), else none."""
     cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
     free = config.dtype == "auto" and config.tensor_parallel_size == 1
-    if (source.format == "gguf" and cpu and free and SUPPORTED_TYPES & source.tensor_types
+    if (source.format == "gguf" and cpu and free and set(SUPPORTED_TYPES) & source.tensor_types
             and gguf_linear_available()):
         return "gguf"
     return "none"
@@ -108,7 +108,12 @@ class LLMEngine:
             if not gguf_linear_available():
                 raise ValueError("quantization=gguf needs the CPU kernels built with AVX2 "
                                  "(+FMA, F16C) or AVX-512 (this CPU or build has neither)")
-            keep = SUPPORTED_TYPES & source.tensor_types
+            keep = frozenset(SUPPORTED_TYPES) & source.tensor_types
+            if not keep:
+                raise ValueError(
+                    f"quantization=gguf: {source.path!r} has no weights of the types kept "
+                    f"quantized ({_type_names(SUPPORTED_TYPES)}); its types: "
+                    f"{_type_names(source.tensor_types)}")
             logger.info("quantization gguf: %s weights kept quantized, %s dequantized to %s",
                         _type_names(keep) or "no", _type_names(source.tensor_types - keep)
                         or "no", config.dtype)

@@ -9,6 +9,7 @@ With tensor parallelism rank 0's runner publishes each step's inputs to the othe
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import time
 from dataclasses import fields
@@ -36,12 +37,18 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
 from pagedllm.layers.quantized import GGUFWeight
-from pagedllm.loader.model_loader import build_model
+from pagedllm.loader.model_loader import build_model, decode_read_bytes, linear_kernels
 from pagedllm.models.config import ModelConfig
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+
+@functools.cache
+def _read_bandwidth_gbs() -> float:
+    from pagedllm.bench.hardware import memory_read_gbs
+    return memory_read_gbs(256 * 2**20, min_seconds=0.2)
 
 
 class ModelRunner:
@@ -139,6 +146,18 @@ class ModelRunner:
             logger.info("loaded %s (%s, %d layers) in %.1f s; attention backend: %s",
                         mc.name or mc.architecture, str(self.dtype).removeprefix("torch."),
                         mc.num_hidden_layers, time.perf_counter() - t, self.attention_backend)
+            if self.device.type == "cpu" and logger.isEnabledFor(logging.INFO):
+                self._log_decode_bound()
+
+    def _log_decode_bound(self) -> None:
+        """Which kernels the linears take, the weight bytes a decode token reads, and the
+        single-stream speed that bounds at this machine's read bandwidth (measured once)."""
+        nbytes = decode_read_bytes(self.model)
+        gbs = _read_bandwidth_gbs()
+        logger.info("linears: %s", linear_kernels(self.model))
+        logger.info("a decode token reads %.0f MiB of weights: at %.0f GB/s (read bandwidth, "
+                    "measured) one stream is bound at %.0f tok/s", nbytes / 2**20, gbs,
+                    gbs * 1e9 / nbytes)
 
     def _allocate_kv_cache(self) -> None:
         self.kv_shape = KVCacheShape.of(self.config, self.model_config)

@@ -32,6 +32,7 @@ class LinearMethod:
     # where the weight's packed form is pagedllm's own plain tensor (a oneDNN packing is
     # opaque memory no tensor of ours can hold)
     owns_packing = False
+    kernel = "torch"  # what computes it, for the load log
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Prepare the loaded weight (pack it); by default nothing."""
@@ -61,6 +62,7 @@ class PackedBf16LinearMethod(LinearMethod):
     1/16 at 16), near-equal top logits would tie and the first index win."""
 
     owns_packing = True
+    kernel = "pagedllm packed bf16"
 
     def __init__(self, fp32_out: bool = False) -> None:
         self.fp32_out = fp32_out
@@ -90,6 +92,8 @@ class PackedBf16LinearMethod(LinearMethod):
 
 
 class OneDNNLinearMethod(LinearMethod):
+    kernel = "oneDNN bf16 (few rows: pagedllm's streaming/AMX kernels)"
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.packed_weight = ops.onednn_pack_linear_weight(layer.weight)
 

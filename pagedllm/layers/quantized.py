@@ -23,8 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pagedllm.kernels import ops
-from pagedllm.layers import gguf_packing
-from pagedllm.layers.gguf_packing import SUPPORTED_TYPES, dequantize_packed_rows, pack_gguf
+from pagedllm.layers.gguf_packing import can_pack, dequantize_packed_rows, pack_gguf
 from pagedllm.layers.linear_methods import LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -78,11 +77,6 @@ class PackedPart:
     packed: torch.Tensor
 
 
-def can_keep(weight: GGUFWeight) -> bool:
-    """Whether the kernel takes this weight quantized."""
-    return weight.qtype in SUPPORTED_TYPES and gguf_packing.can_pack(weight.qtype, weight.cols)
-
-
 class GGUFLinearMethod(LinearMethod):
     """x w^T from the layer's packed parts (layer.gguf_parts): one kernel call, or one per
     part each writing its columns of the output."""
@@ -91,21 +85,23 @@ class GGUFLinearMethod(LinearMethod):
 
     def __init__(self, fp32_out: bool = False) -> None:
         self.fp32_out = fp32_out
+        self.kernel = f"pagedllm gguf_linear ({ops.gguf_linear_isa()})"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
         parts: list[PackedPart] = layer.gguf_parts
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        fp32_out = self.fp32_out or x.dtype == torch.float32  # (an fp32 model's sums stay)
         if len(parts) == 1:
             p = parts[0]
-            y = ops.gguf_linear(x2, p.packed, p.qtype, p.stop, fp32_out=self.fp32_out)
+            y = ops.gguf_linear(x2, p.packed, int(p.qtype), p.stop, fp32_out=fp32_out)
         else:
             y = torch.empty(x2.shape[0], parts[-1].stop,
-                            dtype=torch.float32 if self.fp32_out else torch.bfloat16)
+                            dtype=torch.float32 if fp32_out else torch.bfloat16)
             for p in parts:
-                ops.gguf_linear(x2, p.packed, p.qtype, p.stop - p.start,
-                                out=y[:, p.start:p.stop], fp32_out=self.fp32_out)
+                ops.gguf_linear(x2, p.packed, int(p.qtype), p.stop - p.start,
+                                out=y[:, p.start:p.stop], fp32_out=fp32_out)
         if bias is not None:
             y = y + bias
         return y.reshape(*shape[:-1], y.shape[-1])
@@ -173,8 +169,7 @@ def finish_gguf(layer: nn.Module, fp32_out: bool = False) -> bool:
     gathered: GGUFRows = layer.gguf_rows
     layer.gguf_rows = None
     runs = gathered.runs()
-    if runs is None or not all(t in SUPPORTED_TYPES and gguf_packing.can_pack(t, gathered.in_features)
-                               for t, _, _ in runs):
+    if runs is None or not all(can_pack(t, gathered.in_features) for t, _, _ in runs):
         gathered.dequantize_into(layer.weight)
         return False
     parts = []

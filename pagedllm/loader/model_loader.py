@@ -84,6 +84,21 @@ def decode_read_bytes(model: nn.Module) -> int:
     return total
 
 
+def linear_kernels(model: nn.Module) -> str:
+    """Which kernel each weight type's linears take, e.g. "196 Q4_K and 28 Q6_K on pagedllm
+    gguf_linear (avx512_bf16); 1 bfloat16 on pagedllm packed bf16"."""
+    counts: dict[str, dict[str, int]] = {}
+    for m in model.modules():
+        if isinstance(m, LinearLayer):
+            types = ([p.qtype.name for p in m.gguf_parts] if m.gguf_parts is not None
+                     else [str(m.weight.dtype).removeprefix("torch.")])
+            per_kernel = counts.setdefault(m.linear_method.kernel, {})
+            for t in types:
+                per_kernel[t] = per_kernel.get(t, 0) + 1
+    return "; ".join(" and ".join(f"{n} {t}" for t, n in sorted(types.items()))
+                     + f" on {kernel}" for kernel, types in counts.items())
+
+
 def process_weights_after_loading(model: nn.Module, log: bool = True) -> None:
     """Each linear layer picks its method for its loaded weight, which may pack it; each
     MoE layer picks how its experts' projections are computed. (Layers computing from a
