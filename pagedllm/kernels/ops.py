@@ -191,16 +191,3 @@ def has_forward_hooks(module: nn.Module) -> bool:
     return bool(module._forward_pre_hooks or module._forward_hooks
                 or nn.modules.module._global_forward_hooks
                 or nn.modules.module._global_forward_pre_hooks)
-
-
-def gguf_linear(x, packed, qtype, n, out=None, fp32_out=False):  # SHIM
-    y = (x.float() @ packed.t())
-    y = y if fp32_out else y.to(torch.bfloat16)
-    if out is not None:
-        out.copy_(y)
-        return out
-    return y
-
-
-def gguf_linear_isa():  # SHIM
-    return "shim"

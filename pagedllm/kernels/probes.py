@@ -54,7 +54,7 @@ def has_packed_linear() -> bool:
 def gguf_linear_available() -> bool:
     """The GGUF linear kernel (csrc/gguf_linear.cpp) runs: built with AVX-512 or AVX2."""
     ext = build.load()
-    return ext is not None and bool(getattr(ext, "gguf_linear_isa", lambda: "SHIM")())
+    return ext is not None and bool(ext.gguf_linear_isa())
 
 
 @functools.cache

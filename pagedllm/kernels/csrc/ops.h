@@ -61,8 +61,6 @@ at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packe
 // exact values d * q + m, from layers/quantized.py pack_q4_1's uint8 [N/16, K/32, 320]. Only
 // built where the CPU has AVX512-BF16.
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
-                       const c10::optional<at::Tensor>& out, bool fp32_out);
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
