@@ -74,7 +74,8 @@ def allow_amx_attention(allowed: bool) -> None:
     _ext.allow_amx_attention(allowed)
 
 
-# ---- linears (small_linear.cpp, amx_linear.cpp, packed_linear.cpp, q4_linear.cpp) -----------
+# ---- linears (small_linear.cpp, amx_linear.cpp, packed_linear.cpp, q4_linear.cpp,
+#      gguf_linear.cpp) ---------------------------------------------------------------------
 
 def small_linear_bf16(x: Tensor, w: Tensor) -> Tensor:
     """x w^T for a few bf16 rows, streaming the plain bf16 weight once."""
@@ -105,6 +106,35 @@ def packed_gate_up_silu_bf16(x: Tensor, packed: Tensor) -> Tensor:
 def q4_1_linear_bf16(x: Tensor, packed: Tensor) -> Tensor:
     """x w^T for bf16 rows from a GGUF Q4_1 weight packed by layers/quantized.py pack_q4_1."""
     return _ext.q4_1_linear_bf16(x, packed)
+
+
+def gguf_linear(x: Tensor, packed: Tensor, qtype: int, n: int, out: Tensor | None = None,
+                fp32_out: bool = False) -> Tensor:
+    """x w^T for bf16 rows from a GGUF weight [n, K] of ggml type qtype packed by
+    layers/gguf_packing.py pack_gguf (its exact values); writes the first n columns of out
+    (bf16, or fp32 with fp32_out) if given, and returns them."""
+    return _ext.gguf_linear(x, packed, qtype, n, out, fp32_out)
+
+
+def gguf_packed_nbytes(qtype: int, n: int, k: int) -> int:
+    """Bytes of pack_gguf's layout for a weight [n, k] of ggml type qtype."""
+    return _ext.gguf_packed_nbytes(qtype, n, k)
+
+
+def gguf_dequantize_rows(packed: Tensor, qtype: int, n: int, k: int, rows: Tensor) -> Tensor:
+    """The exact float32 weights of some output rows [len(rows), k], from the packed form."""
+    return _ext.gguf_dequantize_rows(packed, qtype, n, k, rows)
+
+
+def gguf_linear_isa() -> str:
+    """What gguf_linear runs on: 'avx512_bf16', 'avx2' or '' (neither built)."""
+    return _ext.gguf_linear_isa()
+
+
+def force_gguf_linear_isa(isa: str) -> None:
+    """Tests: 'avx2' makes gguf_linear take its AVX2 path even where AVX512-BF16 runs;
+    '' the best built."""
+    _ext.force_gguf_linear_isa(isa)
 
 
 # ---- elementwise (elementwise.cpp) ------------------------------------------------------------

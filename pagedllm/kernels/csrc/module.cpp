@@ -46,6 +46,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "packed_linear_bf16 then silu_and_mul)");
   m.def("q4_1_linear_bf16", &pagedllm::q4_1_linear_bf16,
         "x w^T for bf16 rows x from a GGUF Q4_1 weight packed by pack_q4_1 (its exact values)");
+  m.def("gguf_linear", &pagedllm::gguf_linear,
+        "x w^T for bf16 rows x from a GGUF weight (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) packed "
+        "by pack_gguf (its exact values); writes the first n columns of out if given",
+        py::arg("x"), py::arg("packed"), py::arg("qtype"), py::arg("n"),
+        py::arg("out") = py::none(), py::arg("fp32_out") = false);
+  m.def("gguf_packed_nbytes", &pagedllm::gguf_packed_nbytes,
+        "bytes of pack_gguf's layout for a weight [n, k] of ggml type qtype");
+  m.def("gguf_dequantize_rows", &pagedllm::gguf_dequantize_rows,
+        "the exact float32 weights of some output rows, from the packed GGUF weight");
+  m.def("gguf_linear_isa", &pagedllm::gguf_linear_isa,
+        "what gguf_linear runs on: 'avx512_bf16', 'avx2' or '' (not built)");
+  m.def("force_gguf_linear_isa", &pagedllm::force_gguf_linear_isa,
+        "tests: 'avx2' makes gguf_linear take its AVX2 path; '' the best built");
   m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
         "whether this build has the AVX512-BF16 packed linear");
   m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",

@@ -62,6 +62,24 @@ at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packe
 // built where the CPU has AVX512-BF16.
 at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
 
+// y = x w^T for bf16 x [M, K] (row stride free) from a GGUF weight [n, K] of ggml type qtype
+// (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept quantized (gguf_linear.cpp): w's exact values,
+// from layers/gguf_packing.py pack_gguf's uint8 layout. out: an [M, >= n] view (unit column
+// stride) whose first n columns are written, bf16, or fp32 with fp32_out (the unrounded
+// sums); returns those n columns. AVX512-BF16, else AVX2 + FMA + F16C.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                       const c10::optional<at::Tensor>& out, bool fp32_out);
+// Bytes of pack_gguf's layout for a weight [n, k] of type qtype.
+int64_t gguf_packed_nbytes(int64_t qtype, int64_t n, int64_t k);
+// The exact float32 weights of the given output rows [len(rows), k], read from the packed
+// form (gguf.quants.dequantize's values bit for bit).
+at::Tensor gguf_dequantize_rows(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
+                                const at::Tensor& rows);
+// What gguf_linear runs on: "avx512_bf16", "avx2" or "" (neither built).
+std::string gguf_linear_isa();
+// Tests: "avx2" makes gguf_linear take its AVX2 path where AVX512-BF16 runs; "" the best.
+void force_gguf_linear_isa(const std::string& isa);
+
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
