@@ -74,8 +74,7 @@ def allow_amx_attention(allowed: bool) -> None:
     _ext.allow_amx_attention(allowed)
 
 
-# ---- linears (small_linear.cpp, amx_linear.cpp, packed_linear.cpp, q4_linear.cpp,
-#      gguf_linear.cpp) ---------------------------------------------------------------------
+# ---- linears (small_linear.cpp, amx_linear.cpp, packed_linear.cpp, gguf_linear.cpp) -----------
 
 def small_linear_bf16(x: Tensor, w: Tensor) -> Tensor:
     """x w^T for a few bf16 rows, streaming the plain bf16 weight once."""
@@ -101,11 +100,6 @@ def packed_gate_up_silu_bf16(x: Tensor, packed: Tensor) -> Tensor:
     """silu(gate) * up of a packed [gate; up] projection in one pass (the results of
     packed_linear_bf16 then silu_and_mul, bit for bit)."""
     return _ext.packed_gate_up_silu_bf16(x, packed)
-
-
-def q4_1_linear_bf16(x: Tensor, packed: Tensor) -> Tensor:
-    """x w^T for bf16 rows from a GGUF Q4_1 weight packed by layers/quantized.py pack_q4_1."""
-    return _ext.q4_1_linear_bf16(x, packed)
 
 
 def gguf_linear(x: Tensor, packed: Tensor, qtype: int, n: int, out: Tensor | None = None,

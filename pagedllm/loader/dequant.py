@@ -278,20 +278,6 @@ def dequantize(
     return dequantizer(blocks).reshape(shape)
 
 
-def q4_1_parts(data: np.ndarray | bytes | bytearray | memoryview, shape: Sequence[int],
-               name: str = "<unnamed>") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_1 tensor kept quantized: its quants q (uint8 in 0..15, ``shape``) and each block's
-    scale d and minimum m (float16, ``shape`` with the last dimension / 32), w = d q + m."""
-    qtype = GGMLQuantizationType.Q4_1
-    shape = tuple(int(dim) for dim in shape)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = _as_blocks(_raw_bytes(data), shape, block_size, type_size, qtype, name)
-    scales = (*shape[:-1], shape[-1] // block_size)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(scales)
-    m = blocks[:, 2:4].contiguous().view(torch.float16).reshape(scales)
-    return _nibbles(blocks[:, 4:], 16).reshape(shape), d, m
-
-
 def _as_blocks(raw: torch.Tensor, shape: tuple[int, ...], block_size: int, type_size: int,
                qtype: GGMLQuantizationType, name: str) -> torch.Tensor:
     """Check the byte count against ``shape`` and view the bytes as [n_blocks, type_size]."""

@@ -44,8 +44,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gate_up_silu_bf16", &pagedllm::packed_gate_up_silu_bf16,
         "silu(gate) * up of a packed [gate; up] projection in one pass (the results of "
         "packed_linear_bf16 then silu_and_mul)");
-  m.def("q4_1_linear_bf16", &pagedllm::q4_1_linear_bf16,
-        "x w^T for bf16 rows x from a GGUF Q4_1 weight packed by pack_q4_1 (its exact values)");
   m.def("gguf_linear", &pagedllm::gguf_linear,
         "x w^T for bf16 rows x from a GGUF weight (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) packed "
         "by pack_gguf (its exact values); writes the first n columns of out if given",

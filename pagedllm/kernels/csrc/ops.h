@@ -57,11 +57,6 @@ bool has_packed_linear_bf16();
 // with the results of packed_linear_bf16 followed by silu_and_mul, bit for bit.
 at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packed);
 
-// y = x w^T for bf16 x [M, K] from a GGUF Q4_1 weight kept quantized (q4_linear.cpp): w's
-// exact values d * q + m, from layers/quantized.py pack_q4_1's uint8 [N/16, K/32, 320]. Only
-// built where the CPU has AVX512-BF16.
-at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
-
 // y = x w^T for bf16 x [M, K] (row stride free) from a GGUF weight [n, K] of ggml type qtype
 // (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept quantized (gguf_linear.cpp): w's exact values,
 // from layers/gguf_packing.py pack_gguf's uint8 layout. out: an [M, >= n] view (unit column
