@@ -55,15 +55,31 @@ def quantize_weights(model: torch.nn.Module, qtype_of: Callable[[str], Any], see
     values). Returns {name: (type, blocks)} for write_gguf."""
     rng = np.random.default_rng(seed)
     out = {}
+
+    def quantize(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [..., rows, cols] as name's type: its dequantized blocks (None: kept)."""
+        qtype = qtype_of(name)
+        if qtype is None:
+            return None
+        *lead, cols = weight.shape
+        blocks = random_blocks(qtype, int(np.prod(lead)), cols, float(weight.float().std()), rng)
+        out[name] = (qtype, blocks.reshape(*lead, -1))
+        return torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).view(weight.shape)
+
     with torch.no_grad():
         for name, param in model.named_parameters():
-            qtype = qtype_of(name) if param.dim() == 2 else None
-            if qtype is None:
-                continue
-            rows, cols = param.shape
-            blocks = random_blocks(qtype, rows, cols, float(param.float().std()), rng)
-            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
-            out[name] = (qtype, blocks)
+            # transformers 5's fused experts, written as convert_hf_to_gguf.py splits them
+            if name.endswith("mlp.experts.gate_up_proj"):
+                experts = name.removesuffix("gate_up_proj")
+                gate, up = param.chunk(2, dim=-2)
+                values = [quantize(experts + part + "_proj.weight", w)
+                          for part, w in (("gate", gate), ("up", up))]
+                if None not in values:
+                    param.copy_(torch.cat(values, dim=-2))
+            elif param.dim() == 2 or name.endswith("mlp.experts.down_proj"):
+                key = name if param.dim() == 2 else name + ".weight"
+                if (value := quantize(key, param)) is not None:
+                    param.copy_(value)
     return out
 
 

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.kernels import ops
@@ -89,22 +89,28 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
-        parts: list[PackedPart] = layer.gguf_parts
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        fp32_out = self.fp32_out or x.dtype == torch.float32  # (an fp32 model's sums stay)
-        if len(parts) == 1:
-            p = parts[0]
-            y = ops.gguf_linear(x2, p.packed, int(p.qtype), p.stop, fp32_out=fp32_out)
-        else:
-            y = torch.empty(x2.shape[0], parts[-1].stop,
-                            dtype=torch.float32 if fp32_out else torch.bfloat16)
-            for p in parts:
-                ops.gguf_linear(x2, p.packed, int(p.qtype), p.stop - p.start,
-                                out=y[:, p.start:p.stop], fp32_out=fp32_out)
+        y = parts_linear(x.reshape(-1, shape[-1]), layer.gguf_parts,
+                         self.fp32_out or x.dtype == torch.float32)  # (an fp32 model's sums)
         if bias is not None:
             y = y + bias
         return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def parts_linear(x: torch.Tensor, parts: list[PackedPart], fp32_out: bool = False
+                 ) -> torch.Tensor:
+    """x [M, K] w^T from a weight's packed parts: one kernel call, or one per part each
+    writing its columns of the output."""
+    x = x.to(torch.bfloat16)
+    if len(parts) == 1:
+        p = parts[0]
+        return ops.gguf_linear(x, p.packed, int(p.qtype), p.stop, fp32_out=fp32_out)
+    y = torch.empty(x.shape[0], parts[-1].stop,
+                    dtype=torch.float32 if fp32_out else torch.bfloat16)
+    for p in parts:
+        ops.gguf_linear(x, p.packed, int(p.qtype), p.stop - p.start, out=y[:, p.start:p.stop],
+                        fp32_out=fp32_out)
+    return y
 
 
 class GGUFRows:
@@ -147,19 +153,34 @@ class GGUFRows:
                 .to(weight.dtype)
 
 
-def takes_gguf(module: nn.Module) -> bool:
-    """Whether a module can hold a GGUF weight kept quantized: a linear or an embedding
-    (they declare gguf_parts), on one rank."""
-    return hasattr(type(module), "gguf_parts") and getattr(module, "tp_size", 1) == 1
+def take_gguf(module: nn.Module, param: str, weight: GGUFWeight, shard: tuple) -> bool:
+    """The loader's step for a GGUF weight to keep quantized, in place of the parameter's
+    weight_loader copying a dequantized tensor into it: a linear's or an embedding's weight
+    (they declare gguf_parts), or an expert's projection (layers/moe.py FusedMoE), on one
+    rank. False where the module cannot hold it (the caller dequantizes it)."""
+    if getattr(module, "tp_size", 1) != 1:
+        return False
+    if hasattr(type(module), "gguf_parts") and param == "weight":
+        if getattr(module, "gguf_rows", None) is None:
+            out_features, in_features = module.weight.shape
+            module.gguf_rows = GGUFRows(out_features, in_features)
+        module.gguf_rows.add(module.weight_loader, weight, shard)
+        return True
+    if hasattr(type(module), "gguf_experts"):
+        return module.take_gguf(weight, *shard)
+    return False
 
 
-def take_gguf(layer: nn.Module, weight: GGUFWeight, shard: tuple) -> None:
-    """The loader's step for a GGUF weight kept quantized, in place of the layer's
-    weight_loader copying a dequantized tensor into its weight."""
-    if getattr(layer, "gguf_rows", None) is None:
-        out_features, in_features = layer.weight.shape
-        layer.gguf_rows = GGUFRows(out_features, in_features)
-    layer.gguf_rows.add(layer.weight_loader, weight, shard)
+def pack_rows(gathered: GGUFRows) -> list[PackedPart] | None:
+    """The gathered rows packed, one part per run of rows of one type; None where some rows
+    cannot stay quantized."""
+    runs = gathered.runs()
+    if runs is None or not all(can_pack(t, gathered.in_features) for t, _, _ in runs):
+        return None
+    cols = gathered.in_features
+    return [PackedPart(t, start, stop, cols,
+                       pack_gguf(t, gathered.rows[t][start:stop], stop - start, cols))
+            for t, start, stop in runs]
 
 
 def finish_gguf(layer: nn.Module, fp32_out: bool = False) -> bool:
@@ -168,16 +189,10 @@ def finish_gguf(layer: nn.Module, fp32_out: bool = False) -> bool:
     the bf16 methods (False)."""
     gathered: GGUFRows = layer.gguf_rows
     layer.gguf_rows = None
-    runs = gathered.runs()
-    if runs is None or not all(can_pack(t, gathered.in_features) for t, _, _ in runs):
+    parts = pack_rows(gathered)
+    if parts is None:
         gathered.dequantize_into(layer.weight)
         return False
-    parts = []
-    for t, start, stop in runs:
-        rows = gathered.rows[t][start:stop]
-        cols = gathered.in_features
-        parts.append(PackedPart(t, start, stop, cols, pack_gguf(t, rows, stop - start, cols)))
-    del gathered
     layer.gguf_parts = parts
     layer.packed_weight = parts[0].packed if len(parts) == 1 else None
     layer.linear_method = GGUFLinearMethod(fp32_out)
@@ -194,18 +209,20 @@ def embedding_rows(layer: nn.Module, input_ids: torch.Tensor, dtype: torch.dtype
     return rows.to(dtype).reshape(*input_ids.shape, part.cols)
 
 
-def packed_bytes(model: nn.Module) -> int:
-    """Bytes of every GGUF part the model's layers hold (a tied embedding's once)."""
-    seen, total = set(), 0
+def model_parts(model: nn.Module) -> list[PackedPart]:
+    """Every GGUF part the model's layers and experts hold (a tied embedding's once)."""
+    seen, out = set(), []
     for m in model.modules():
-        for p in getattr(m, "gguf_parts", None) or ():
-            if p.packed.data_ptr() not in seen:
-                seen.add(p.packed.data_ptr())
-                total += p.packed.nbytes
-    return total
+        parts = list(getattr(m, "gguf_parts", None) or ())
+        for w13, w2 in getattr(m, "gguf_experts", None) or ():
+            parts += w13 + w2
+        for p in parts:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
 
 
-def file_bytes(qtype: GGMLQuantizationType, rows: int, cols: int) -> int:
-    """A GGUF tensor's bytes in the file."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    return rows * cols // block * size
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of every GGUF part the model holds."""
+    return sum(p.packed.nbytes for p in model_parts(model))

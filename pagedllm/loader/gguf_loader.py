@@ -524,11 +524,16 @@ def _iter_weights(reader: GGUFReader, names: dict[str, str | None], config: Mode
             continue
         shape = _hf_shape(tensor)
         with naming_errors(path, "cannot read weights"):
-            # (stacked experts are dequantized: only 2-D weights are kept quantized)
-            if tensor.tensor_type in keep and len(shape) == 2 and _PER_EXPERT not in hf_name:
-                rows = quantized_rows(tensor.data, tensor.tensor_type, shape, tensor.name)
-                yield hf_name, GGUFWeight(tensor.tensor_type,
-                                          _to_hf_layout(rows, tensor.name, config), shape[1])
+            if tensor.tensor_type in keep and len(shape) == (3 if _PER_EXPERT in hf_name else 2):
+                rows = quantized_rows(tensor.data, tensor.tensor_type,
+                                      (math.prod(shape[:-1]), shape[-1]), tensor.name)
+                if _PER_EXPERT in hf_name:  # stacked experts [E, rows, cols]: one each
+                    for expert, part in enumerate(rows.chunk(shape[0])):
+                        yield (hf_name.replace(_PER_EXPERT, str(expert)),
+                               GGUFWeight(tensor.tensor_type, part, shape[-1]))
+                else:
+                    yield hf_name, GGUFWeight(tensor.tensor_type,
+                                              _to_hf_layout(rows, tensor.name, config), shape[1])
                 continue
             weight = dequantize(tensor.data, tensor.tensor_type, shape, tensor.name)
             weight = _to_hf_layout(weight, tensor.name, config).to(dtype)

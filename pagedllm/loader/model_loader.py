@@ -45,13 +45,15 @@ def build_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def keep_gguf_weights(model: nn.Module, log: bool = True) -> None:
-    """Pack the GGUF weights the layers gathered (quantization="gguf"); an LM head tied to
-    an embedding kept quantized computes from the embedding's packing."""
+    """Pack the GGUF weights the layers and experts gathered (quantization="gguf"); an LM
+    head tied to an embedding kept quantized computes from the embedding's packing."""
     layers = [m for m in model.modules() if getattr(m, "gguf_rows", None) is not None]
-    if not layers:
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.gguf_gathered]
+    if not layers and not experts:
         return
     kept = [m for m in layers
             if quantized.finish_gguf(m, fp32_out=isinstance(m, LinearLayer) and m.fp32_out)]
+    kept_experts = [m for m in experts if m.finish_gguf()]
     head = getattr(model, "lm_head", None)
     for embed in (m for m in model.modules() if isinstance(m, VocabParallelEmbedding)):
         if (embed.gguf_parts is not None and head is not None and head is not embed
@@ -59,10 +61,10 @@ def keep_gguf_weights(model: nn.Module, log: bool = True) -> None:
             head.gguf_parts = embed.gguf_parts
             head.linear_method = quantized.GGUFLinearMethod(fp32_out=head.fp32_out)
     if log:
-        types = sorted({p.qtype.name for m in kept for p in m.gguf_parts})
-        logger.info("GGUF weights kept quantized in %d of %d layers (%s): %.0f MiB",
-                    len(kept), len(layers), ", ".join(types),
-                    quantized.packed_bytes(model) / 2**20)
+        types = sorted({p.qtype.name for p in quantized.model_parts(model)})
+        logger.info("GGUF weights kept quantized in %d of %d layers and %d of %d expert "
+                    "blocks (%s): %.0f MiB", len(kept), len(layers), len(kept_experts),
+                    len(experts), ", ".join(types), quantized.packed_bytes(model) / 2**20)
 
 
 def decode_read_bytes(model: nn.Module) -> int:
@@ -80,7 +82,9 @@ def decode_read_bytes(model: nn.Module) -> int:
                     seen.add(t.data_ptr())
                     total += t.nbytes
         elif isinstance(m, FusedMoE):
-            total += (m.w13.nbytes + m.w2.nbytes) * m.top_k // m.num_experts
+            experts = (sum(p.packed.nbytes for w13, w2 in m.gguf_experts for p in w13 + w2)
+                       if m.gguf_experts is not None else m.w13.nbytes + m.w2.nbytes)
+            total += experts * m.top_k // m.num_experts
     return total
 
 
@@ -124,7 +128,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     layers = [m for m in model.modules()
               if isinstance(m, LinearLayer) and m.packed_weight is not None]
     ours = [m.packed_weight for m in layers if m.linear_method.owns_packing]
-    ours += [p.packed for m in model.modules() for p in getattr(m, "gguf_parts", None) or ()]
+    ours += [p.packed for p in quantized.model_parts(model)]
     moved = memory.move_to_huge_pages(list(model.parameters()) + ours)
     moved += memory.collapse_to_huge_pages(
         [(ops.onednn_data_ptr(m.packed_weight), m.weight.nbytes)

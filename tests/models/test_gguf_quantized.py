@@ -8,7 +8,9 @@ HF twins hold the gguf package's dequantization of the same blocks (the referenc
   file's blocks, held once, and greedy replies pass vLLM's closeness rule against HF fp32,
   on the AVX-512 kernel path and on the AVX2 one;
 - the one-call decode stack gives the per-op forward's tokens and logprobs bit for bit with
-  them (a layer whose q/k/v mix Q4_K and Q6_K included).
+  them (a layer whose q/k/v mix Q4_K and Q6_K included);
+- mixture-of-experts models keep their experts quantized too (Qwen3-MoE with K-quants,
+  Mixtral's Llama-arch GGUF with Q8_0).
 """
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ from gguf import GGMLQuantizationType as Q
 
 from family_harness import (Family, build, first_difference, greedy, hf_greedy,
                             max_logit_error, prompt_ids)
+from test_moe import _decisive_routing  # tests/models (pytest's rootdir path)
 from pagedllm import LLM
 from pagedllm.kernels import ops, probes
 from pagedllm.layers import quantized
 from pagedllm.layers.gguf_packing import SUPPORTED_TYPES
 from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.moe import FusedMoE
 
 K_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -38,6 +42,13 @@ def _q4_k_m(name: str):
     return Q.Q5_K if "down_proj" in name else Q.Q4_K
 
 
+def _experts_k(name: str):
+    """Experts' gate/up as Q4_K, down as Q6_K; everything else Q8_0."""
+    if ".experts." in name:
+        return Q.Q6_K if "down_proj" in name else Q.Q4_K
+    return Q.Q8_0
+
+
 def _q4_0(name: str):
     return Q.Q8_0 if "embed" in name else Q.Q4_1 if "o_proj" in name else Q.Q4_0
 
@@ -50,6 +61,15 @@ FAMILIES = {f.name: f for f in [
     Family("qwen2-q4_0", "Qwen2ForCausalLM", "Qwen2Config", "qwen2",
            dict(tie_word_embeddings=True), sizes={**K_SIZES, "num_attention_heads": 8,
                                                   "head_dim": 32}, quantize=_q4_0),
+    # experts kept quantized too: K-quants (Qwen3-MoE), Q8_0 with Llama-arch names (Mixtral)
+    Family("qwen3-moe-k", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "qwen3moe",
+           dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                norm_topk_prob=True, tie_word_embeddings=False),
+           sizes=K_SIZES, init=_decisive_routing, quantize=_experts_k),
+    Family("mixtral-q8_0", "MixtralForCausalLM", "MixtralConfig", "llama",
+           dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+           sizes={**K_SIZES, "intermediate_size": 64}, init=_decisive_routing,
+           quantize=lambda name: None if name.endswith("mlp.gate.weight") else Q.Q8_0),
 ]}
 
 
@@ -95,7 +115,12 @@ def test_kept_quantized_by_default_every_weight_is_the_files_held_once(models, f
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
     embed = model.model.embed_tokens
     for name, m in linears:
+        if name.endswith("mlp.gate"):  # a router: F32 in the file
+            continue
         assert m.gguf_parts is not None and m.weight.numel() == 0, name
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            assert m.gguf_experts is not None and m.w13.numel() == m.w2.numel() == 0
     tied = model.config.tie_word_embeddings
     assert (model.lm_head.gguf_parts is embed.gguf_parts) == tied
     assert embed.gguf_parts[0].qtype == quantize("model.embed_tokens.weight")
@@ -141,7 +166,7 @@ def test_kept_quantized_greedy_is_close_to_hf(models, family, isa):
         ops.force_gguf_linear_isa("")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [n for n in FAMILIES if "moe" not in n and "mixtral" not in n])
 def test_decode_stack_gives_the_per_op_results_with_the_files_weights(models, family,
                                                                       monkeypatch):
     from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
