@@ -66,14 +66,12 @@ class PagedLLMRunner:
                    if cfg.quantization == "gguf" else {})}
 
     def _weight_bytes(self) -> int:
-        """Bytes of the weights a decode token reads: each linear's Q4_1 packing (or its
-        weight) and the LM head."""
-        from pagedllm.layers.linear import LinearBase
-        from pagedllm.layers.quantized import is_q4_1
+        """Bytes of the weights a decode token reads: each linear's (and the LM head's)
+        form of its weight, pagedllm's packing (Q4_1 or bf16) where it has one."""
+        from pagedllm.layers.linear import LinearLayer
         model = self.llm.engine.model_runner.model
-        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-        return (sum(m.packed_weight.nbytes if is_q4_1(m.packed_weight) else m.weight.nbytes
-                    for m in linears) + model.lm_head.weight.nbytes)
+        return sum(m.packed_weight.nbytes if m.linear_method.owns_packing else m.weight.nbytes
+                   for m in model.modules() if isinstance(m, LinearLayer))
 
     def warmup(self, workload: Workload) -> None:
         self.llm.generate([r.prompt_token_ids for r in workload.requests],

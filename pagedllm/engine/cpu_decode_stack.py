@@ -66,9 +66,9 @@ class _StackArgs:
             layer_linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(not m.weight.is_contiguous() for m in layer_linears):
                 return None
-            # each linear's weight and its packed copy, or the weight again where there is
-            # none (decode_layers takes the plain one for few rows unless the copy is
-            # pagedllm's: see layers/linear_methods.py)
+            # each linear's weight and its packed form, or the weight again where there is
+            # none (decode_layers takes the plain one for few rows unless the packing is
+            # pagedllm's, whose plain weight is an empty tensor: layers/linear_methods.py)
             qkv, o, gate_up, down = ((m.weight, m.weight if m.packed_weight is None
                                       else m.packed_weight) for m in layer_linears)
             weights += [layer.input_layernorm.weight, *qkv, *o,

@@ -10,7 +10,7 @@ from pagedllm.distributed import torchrun_env
 from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.engine.kv_cache import available_memory_bytes
+from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -18,7 +18,9 @@ from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, S
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
 from pagedllm.engine.tp.worker import serve_worker_rank, worker_main
+from pagedllm.layers.linear_methods import linear_weight_forms
 from pagedllm.loader import load_model_source
+from pagedllm.loader.model_loader import resident_line
 from pagedllm.loader.validate import check_fits_in_memory
 from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -73,7 +75,9 @@ class LLMEngine:
         config.resolve(min(source.config.max_position_embeddings,
                            config.max_model_len or source.config.max_position_embeddings))
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or source.config.eos_token_ids)
-        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(), source.path)
+        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(),
+                             source.path, KVCacheShape.of(config, source.config).block_bytes,
+                             linear_weight_forms(config.torch_dtype, config.device))
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(source.config, config.tensor_parallel_size)
             env = torchrun_env()
@@ -91,6 +95,8 @@ class LLMEngine:
             workers = WorkerProcesses(config, dist_info, spawn, target=worker_main)
         self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype),
                                         dist_info, q4_1, workers)
+        logger.info(resident_line(self.model_runner.model, source.config, config.torch_dtype,
+                                  source.path, source.format, config.tensor_parallel_size))
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_kvcache_blocks, block_size=config.block_size,
