@@ -13,7 +13,7 @@ from pagedllm.kernels.probes import gguf_linear_available
 from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.engine.kv_cache import available_memory_bytes
+from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -22,7 +22,9 @@ from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
 from pagedllm.engine.tp.worker import serve_worker_rank, worker_main
 from pagedllm.layers.gguf_packing import SUPPORTED_TYPES
+from pagedllm.layers.linear_methods import linear_weight_forms
 from pagedllm.loader import ModelSource, load_model_source
+from pagedllm.loader.model_loader import resident_line
 from pagedllm.loader.validate import check_fits_in_memory
 from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -94,7 +96,6 @@ class LLMEngine:
         config.resolve(min(source.config.max_position_embeddings,
                            config.max_model_len or source.config.max_position_embeddings))
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or source.config.eos_token_ids)
-        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(), source.path)
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(source.config, config.tensor_parallel_size)
             env = torchrun_env()
@@ -117,6 +118,10 @@ class LLMEngine:
             logger.info("quantization gguf: %s weights kept quantized, %s dequantized to %s",
                         _type_names(keep) or "no", _type_names(source.tensor_types - keep)
                         or "no", config.dtype)
+        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(),
+                             source.path, KVCacheShape.of(config, source.config).block_bytes,
+                             linear_weight_forms(config.torch_dtype, config.device),
+                             source.kept_size(keep))
         dist_info = workers = None
         if config.tensor_parallel_size > 1:  # rank 0: the other ranks join it, or it starts them
             dist_info, spawn = rank0_dist_info(config.tensor_parallel_size)
@@ -124,6 +129,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, source.config,
                                         source.weights(config.torch_dtype, keep), dist_info,
                                         workers)
+        logger.info(resident_line(self.model_runner.model, source.config, config.torch_dtype,
+                                  source.path, source.format, config.tensor_parallel_size))
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_kvcache_blocks, block_size=config.block_size,

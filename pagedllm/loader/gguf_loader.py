@@ -121,10 +121,11 @@ def load_gguf(path: str) -> ModelSource:
                ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         return _iter_weights(reader, names, config, dtype, path, keep)
 
-    types = frozenset(GGMLQuantizationType(t.tensor_type) for t in reader.tensors
-                      if names[t.name] is not None)
+    sizes = [(GGMLQuantizationType(t.tensor_type), int(t.n_elements), int(t.n_bytes))
+             for t in reader.tensors if names[t.name] is not None]
     return ModelSource(path=path, format="gguf", config=config, tokenizer=tokenizer,
-                       weight_names=weight_names, _stream=stream, tensor_types=types)
+                       weight_names=weight_names, _stream=stream,
+                       tensor_types=frozenset(t for t, _, _ in sizes), tensor_sizes=sizes)
 
 
 def open_gguf(path: str) -> GGUFReader:

@@ -1,10 +1,16 @@
 """Build a model from a checkpoint's weights: construct it in its dtype on its device, copy
 the weights in (GGUF weights kept quantized go to layers/quantized.py instead), let each
 linear pick its method once (layers/linear_methods.py), and put the CPU weights on 2 MiB
-pages."""
+pages.
+
+Each linear then holds its weight in one form (plain, packed with the plain one freed, or
+a GGUF's blocks; two only for oneDNN's packing on AVX512-BF16 CPUs), and an embedding tied
+to the LM head reads the head's form: resident weight memory is the checkpoint's size in
+the run's form (resident_line says how close)."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterable
 
 import torch
@@ -12,14 +18,16 @@ from torch import nn
 
 from pagedllm import memory
 from pagedllm.kernels import ops
-from pagedllm.layers.linear import LinearLayer
-from pagedllm.layers.moe import FusedMoE
 from pagedllm.layers import quantized
 from pagedllm.layers.embed_head import VocabParallelEmbedding
+from pagedllm.layers.linear import LinearLayer
+from pagedllm.layers.moe import FusedMoE
+from pagedllm.loader.validate import weight_numel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.registry import model_class
 
 logger = logging.getLogger(__name__)
+
 
 def build_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                 weights: Iterable[tuple[str, torch.Tensor | quantized.GGUFWeight]],
@@ -41,6 +49,7 @@ def build_model(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
         moved = move_weights_to_huge_pages(model)
         if moved and log:
             logger.info("weights on 2 MiB pages: %.0f MiB", moved / 2**20)
+        memory.release_free_memory()
     return model
 
 
@@ -113,12 +122,23 @@ def process_weights_after_loading(model: nn.Module, log: bool = True) -> None:
         layer.process_weights_after_loading()
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
         moe.process_weights_after_loading()
-    packed = [m for m in layers if m.packed_weight is not None]
-    ours = sum(m.linear_method.owns_packing for m in packed)
-    if packed and log:
-        logger.info("weights also kept packed for bf16 matmuls (%d for pagedllm's kernel, "
-                    "%d for oneDNN): +%.0f MiB", ours, len(packed) - ours,
-                    sum(m.weight.nbytes for m in packed) / 2**20)
+    tie_embeddings(model, layers)
+    twice = [m for m in layers if m.packed_weight is not None and m.weight.numel()]
+    if twice and log:
+        logger.info("%d linears keep their plain weight beside oneDNN's packing (the CPU's "
+                    "small-row kernels read it): +%.0f MiB", len(twice),
+                    sum(m.weight.nbytes for m in twice) / 2**20)
+
+
+def tie_embeddings(model: nn.Module, layers: list[LinearLayer]) -> None:
+    """Each embedding that shares its weight with a linear layer (tied embeddings and LM
+    head) takes its rows from that layer's form of the weight, which may be packed only."""
+    owners = {id(m.weight): m for m in layers}  # type: ignore[attr-defined]
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and not isinstance(module, LinearLayer):
+            head = owners.get(id(module.weight))
+            if head is not None:
+                module.tied_rows = head.embedding_rows
 
 
 def move_weights_to_huge_pages(model: nn.Module) -> int:
@@ -131,6 +151,22 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     ours += [p.packed for p in quantized.model_parts(model)]
     moved = memory.move_to_huge_pages(list(model.parameters()) + ours)
     moved += memory.collapse_to_huge_pages(
-        [(ops.onednn_data_ptr(m.packed_weight), m.weight.nbytes)
+        [(ops.onednn_data_ptr(m.packed_weight), m.packed_weight.numel() * 2)
          for m in layers if not m.linear_method.owns_packing])
     return moved
+
+
+def resident_line(model: nn.Module, mc: ModelConfig, dtype: torch.dtype, path: str,
+                  fmt: str, tp_size: int = 1) -> str:
+    """What the load log says of the weights' memory: the bytes the model's tensors hold
+    (memory.resident_bytes) against the checkpoint in bf16 (per rank: divided by the
+    ranks) and, for a GGUF, against the file."""
+    resident = memory.resident_bytes(model)
+    bf16 = weight_numel(mc) * 2 / tp_size
+    rank = " per rank" if tp_size > 1 else ""
+    line = f"weights: {resident / 2**20:,.0f} MiB resident{rank} ({resident / bf16:.2f}x the "
+    if fmt != "gguf":
+        return line + f"bf16 checkpoint; {str(dtype).removeprefix('torch.')})"
+    file = os.path.getsize(path) / tp_size
+    return line + (f"model in bf16, {resident / file:.2f}x the {file / 2**20:,.0f} MiB GGUF "
+                   f"file; {str(dtype).removeprefix('torch.')})")

@@ -37,6 +37,13 @@ class ModelSource:
     weight_names: list[str]
     _stream: WeightStream = field(repr=False)
     tensor_types: frozenset[GGMLQuantizationType] = frozenset()
+    # a GGUF's (type, elements, bytes) of each weight tensor, for the memory check
+    tensor_sizes: list[tuple[GGMLQuantizationType, int, int]] = field(default_factory=list)
+
+    def kept_size(self, keep: frozenset[GGMLQuantizationType]) -> tuple[int, int]:
+        """(elements, file bytes) of the weights of the types in keep."""
+        sizes = [(n, b) for t, n, b in self.tensor_sizes if t in keep]
+        return sum(n for n, _ in sizes), sum(b for _, b in sizes)
 
     def weights(self, dtype: torch.dtype = torch.float32,
                 keep: frozenset[GGMLQuantizationType] = frozenset()
