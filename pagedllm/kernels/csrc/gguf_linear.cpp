@@ -221,17 +221,14 @@ inline void scales512(const uint8_t* header, int sub, __m512& s, __m512& c) {
   }
 }
 
-// One tile: out[0:rows][NG * 16] = x[0:rows] . w over groups g0 .. g0 + NG - 1 of a panel
+// One tile: out[0:MR][NG * 16] = x[0:MR] . w over groups g0 .. g0 + NG - 1 of a panel
 // of G groups starting at w; xs: each row's sum over each scale unit (row stride ldxs).
 // Each (row, group) keeps two sums in a scale unit, of the even and of the odd pairs: one
 // row has too few independent sums to hide the dot product's latency otherwise.
 template <QType T, int MR, int NG>
-void tile512(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
+void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile512<T, MR - 1, NG>(rows, x, ldx, xs, ldxs, w, G, g0, blocks, out);
-  }
   constexpr int kRuns = 4 / F::kSubs;  // runs per scale unit
   __m512 acc[MR][NG];
 #pragma GCC unroll 16
@@ -375,12 +372,9 @@ inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m25
 // (row, group, half) sums a scale unit's pairs in order, its first and second elements in
 // turn, in one chain.
 template <QType T, int MR, int NG>
-void tile256(int64_t rows, const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
+void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile256<T, MR - 1, NG>(rows, xf, ldx, xs, ldxs, w, G, g0, blocks, out);
-  }
   constexpr int kRuns = 4 / F::kSubs;
   __m256 acc[MR][NG][2];
   for (int m = 0; m < MR; ++m)
@@ -508,41 +502,47 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
       const int64_t cols = std::min(NG * kGroup, n - col0);
       const uint8_t* w = packed + panel * sh.panel_bytes;
       const float* xs = sums.data() + m0 * per_row;
-      // Rows in tiles of MR (MR rows by NG groups; the AVX2 tiles go 2 groups at a time).
-      auto each_tile = [&](int64_t MR, auto&& tile) {
-        for (int64_t m = 0; m < rows; m += MR) {
-          const int64_t r = std::min(MR, rows - m);
-          tile(r, m, out);
+      // Rows in tiles of MR rows (tile), the rows left over one at a time (one_row): the
+      // same sums in the same order, MR only sets how many rows share each weight load.
+      auto each_tile = [&](int64_t MR, auto&& tile, auto&& one_row) {
+        for (int64_t m = 0; m < rows;) {
+          const int64_t r = MR > 1 && rows - m >= MR ? MR : 1;
+          if (r > 1) tile(m, out);
+          else one_row(m, out);
           for (int64_t j = 0; j < r; ++j)
             store_row(y + (m0 + m + j) * ldy + col0, out + j * NG * kGroup, cols);
+          m += r;
         }
       };
 #if defined(GGUF_AVX512)
       if (isa == Isa::kAvx512) {
         const at::BFloat16* xr = xp + m0 * ldx;
-        if (few && NG == 4)
-          each_tile(1, [&](int64_t r, int64_t m, float* o) {
-            tile512<T, 1, 4>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-          });
-        else
-          each_tile(few ? 1 : 4, [&](int64_t r, int64_t m, float* o) {
-            if (few) tile512<T, 1, 2>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-            else tile512<T, 4, 2>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-          });
+        auto four = [&](int64_t m, float* o) {
+          tile512<T, 4, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+        };
+        auto one = [&](int64_t m, float* o) {
+          if (NG == 4)
+            tile512<T, 1, 4>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+          else
+            tile512<T, 1, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+        };
+        each_tile(few ? 1 : 4, four, one);
       }
 #endif
 #if defined(GGUF_AVX2)
       if (isa == Isa::kAvx2) {
         const float* xr = xf.data() + m0 * K;
-        each_tile(few ? 1 : 2, [&](int64_t r, int64_t m, float* o) {
-          for (int64_t g = 0; g < NG; g += 2) {  // out rows are NG groups wide
-            alignas(64) float part[2 * 2 * kGroup];
-            if (few) tile256<T, 1, 2>(r, xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
-            else tile256<T, 2, 2>(r, xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
-            for (int64_t j = 0; j < r; ++j)
+        // out's rows are NG groups wide; the AVX2 tiles take 2 groups at a time.
+        auto tile = [&]<int MR>(int64_t m, float* o) {
+          for (int64_t g = 0; g < NG; g += 2) {
+            alignas(64) float part[MR * 2 * kGroup];
+            tile256<T, MR, 2>(xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
+            for (int64_t j = 0; j < MR; ++j)
               std::memcpy(o + j * NG * kGroup + g * kGroup, part + j * 2 * kGroup, 2 * kGroup * sizeof(float));
           }
-        });
+        };
+        each_tile(few ? 1 : 2, [&](int64_t m, float* o) { tile.template operator()<2>(m, o); },
+                  [&](int64_t m, float* o) { tile.template operator()<1>(m, o); });
       }
 #endif
     }
