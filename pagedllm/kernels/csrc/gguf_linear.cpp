@@ -130,12 +130,20 @@ Shape shape_of(int64_t n, int64_t k) {
   return s;
 }
 
-// One row is too little work per byte for the hardware prefetcher to stay ahead: a tile of
-// one row requests the bytes this far on as it starts each block's headers and each unit.
+// The hardware prefetcher does not keep up with a tile's stream (one row: too little work
+// per byte; half a panel: every other run of bytes): each tile requests the bytes it will
+// read at least kPrefetchBytes of the panel on (whole blocks), as it starts each block's
+// headers and each unit.
 constexpr int64_t kPrefetchBytes = 4096;
-inline void prefetch_range(const uint8_t* p, int64_t bytes) {
-  for (int64_t c = 0; c < bytes; c += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + c), _MM_HINT_T0);
+inline void prefetch(const uint8_t* p, int64_t bytes) {  // every line of p[0:bytes]
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < end; a += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+}
+template <QType T>
+int64_t prefetch_distance(int64_t G) {
+  const int64_t block = G * kGroupBlock<T>;
+  return (kPrefetchBytes + block - 1) / block * block;
 }
 
 constexpr int64_t kChunkRows = 256;  // rows per work item
@@ -230,6 +238,7 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
   constexpr int kRuns = 4 / F::kSubs;  // runs per scale unit
+  const int64_t ahead = prefetch_distance<T>(G);
   __m512 acc[MR][NG];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -237,10 +246,10 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    if constexpr (MR == 1) prefetch_range(blk, G * F::kHeader);
+    prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      if constexpr (MR == 1) prefetch_range(units, NG * F::kUnit);
+      prefetch(units + ahead, NG * F::kUnit);
       const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
@@ -376,15 +385,16 @@ void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
   constexpr int kRuns = 4 / F::kSubs;
+  const int64_t ahead = prefetch_distance<T>(G);
   __m256 acc[MR][NG][2];
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    if constexpr (MR == 1) prefetch_range(blk, G * F::kHeader);
+    prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      if constexpr (MR == 1) prefetch_range(units, NG * F::kUnit);
+      prefetch(units + ahead, NG * F::kUnit);
       const float* xu = xf + b * F::kBlock + i * kUnitInputs;
       for (int h = 0; h < F::kSubs; ++h) {
         __m256 part[MR][NG][2];
