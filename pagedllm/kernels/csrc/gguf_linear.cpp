@@ -12,10 +12,10 @@
 //   Q6_K  q' = 128 + q (0..63)    s = d sc (int8)   c = -160 s          (w = d sc (q - 32))
 // so over a unit x . w = s (x . q') + c sum(x): the dot products run on bf16 (AVX512-BF16
 // VDPBF16PS, or fp32 FMAs on AVX2) and each unit's sum is scaled and corrected in fp32. A
-// 16-bit word whose low 7 bits are q, OR 0x4300, is the bf16 of 128 + q; its high half of
-// an fp32, the fp32 of it. d * sc is exact in fp32 (11 + 8 bits), not in fp16: the K-quant
-// scales stay the GGUF's integers, one byte each, multiplied here. The scale unit is 32
-// inputs, 16 for Q6_K.
+// 16-bit word whose low 7 bits are q, OR 0x4300, is the bf16 of 128 + q (and as the high
+// half of an fp32, the fp32 of it). d * sc is exact in fp32 (11 + 8 bits), not in fp16:
+// the K-quant scales stay the GGUF's integers, one byte each, multiplied here. The scale
+// unit is 32 inputs, 16 for Q6_K.
 //
 // Layout (layers/gguf_packing.py pack_gguf): outputs in groups of 16 (one vector of fp32
 // sums), N padded to an even number of groups; groups in panels of 4 (the last may have 2);
@@ -32,6 +32,14 @@
 //           Q8_0 instead 16 pairs of 32 int8, byte 2o + e of pair p output o's element e.
 // The packed size is 1.00-1.03x the GGUF bytes (Q4_K 148/144, Q5_K 180/176). With the
 // headers of a block first and every unit 64-byte sized, each quant load is a whole line.
+//
+// Work: up to 3 rows, each thread takes whole panels and runs one row at a time over all 4
+// groups; beyond, half panels, in register tiles of 4 rows by 2 groups that share each
+// unpacked weight vector (rows left over: one at a time), 256-row chunks. Each (row, group)
+// sums a scale unit's even and odd pairs in two chains, scales their sum by s and adds
+// c sum(x) in fp32. One-row tiles prefetch the lines they will read 4 KiB on. The AVX2
+// path keeps the layout: a 32-byte half of a word vector is 8 outputs' pairs, widened to
+// fp32 (the bf16 word shifted up, or masked) for FMAs, in tiles of 2 or 1 rows by 2 groups.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -130,10 +138,10 @@ Shape shape_of(int64_t n, int64_t k) {
   return s;
 }
 
-// The hardware prefetcher does not keep up with a tile's stream (one row: too little work
-// per byte; half a panel: every other run of bytes): each tile requests the bytes it will
-// read at least kPrefetchBytes of the panel on (whole blocks), as it starts each block's
-// headers and each unit.
+// One row is too little work per byte for the hardware prefetcher to stay ahead: a one-row
+// tile requests the bytes it will read at least kPrefetchBytes of the panel on (whole
+// blocks), as it starts each block's headers and each unit. (Multi-row tiles doing the same
+// ran 10-20% slower at 4 rows.)
 constexpr int64_t kPrefetchBytes = 4096;
 inline void prefetch(const uint8_t* p, int64_t bytes) {  // every line of p[0:bytes]
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
@@ -246,10 +254,10 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
+    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      prefetch(units + ahead, NG * F::kUnit);
+      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
       const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
@@ -391,10 +399,10 @@ void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
+    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      prefetch(units + ahead, NG * F::kUnit);
+      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
       const float* xu = xf + b * F::kBlock + i * kUnitInputs;
       for (int h = 0; h < F::kSubs; ++h) {
         __m256 part[MR][NG][2];
@@ -673,13 +681,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   } else {
     y = at::empty({M, n}, x.options().dtype(dtype));
   }
-  if (M == 0) return y.narrow(1, 0, n);
+  if (M == 0) return out.has_value() ? y.narrow(1, 0, n) : y;
   dispatch(qtype, [&]<QType T>() {
     if (fp32_out) run<T>(xc, packed.data_ptr<uint8_t>(), n, y.data_ptr<float>(), y.stride(0), isa);
     else run<T>(xc, packed.data_ptr<uint8_t>(), n, y.data_ptr<at::BFloat16>(), y.stride(0), isa);
     return 0;
   });
-  return y.narrow(1, 0, n);
+  return out.has_value() ? y.narrow(1, 0, n) : y;
 }
 
 at::Tensor gguf_dequantize_rows(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
