@@ -168,20 +168,34 @@ def _runs_of(packed: torch.Tensor, run: int, shifts: tuple[int, ...], mask: int)
     """Bit fields of runs of `run` bytes, each run giving its bytes' field at shifts[0] in
     order, then at shifts[1], ... ([rows, blocks, bytes] -> [rows, blocks, elements])."""
     rows, blocks, width = packed.shape
-    runs = packed.reshape(rows, blocks, width // run, 1, run)
-    by = torch.tensor(shifts, dtype=torch.uint8).view(1, 1, 1, -1, 1)
-    return ((runs >> by) & mask).reshape(rows, blocks, -1)
+    runs = packed.contiguous().view(rows, blocks, width // run, run)
+    out = torch.empty(rows, blocks, width // run, len(shifts), run, dtype=torch.uint8)
+    for i, by in enumerate(shifts):  # (a scalar shift at a time: shifting by a tensor is slow)
+        torch.bitwise_and(runs >> by, mask, out=out[:, :, :, i])
+    return out.view(rows, blocks, -1)
+
+
+def _by_output(words: torch.Tensor) -> torch.Tensor:
+    """Each output's 32-bit words [rows, blocks, units, W] -> [groups, blocks, units, W * 64
+    bytes]: word w of the group's 16 outputs side by side."""
+    rows, blocks, units, w = words.shape
+    g = rows // GROUP
+    return words.view(g, GROUP, blocks, units, w).permute(0, 2, 3, 4, 1).contiguous() \
+        .view(torch.uint8).view(g, blocks, units, 64 * w)
 
 
 def _nibble_runs(q: torch.Tensor) -> torch.Tensor:
-    """Quants [rows, blocks, inputs] (low 4 bits used) -> [groups, blocks, units, 256]: per
-    unit 4 runs of 32 words, run u's word 2o + e holding in nibble s output o's element e of
-    pair 4u + s."""
+    """Quants [rows, blocks, inputs] (0..15) -> [groups, blocks, units, 256]: per unit 4 runs
+    of 32 words, run u's word 2o + e holding in nibble s output o's element e of pair 4u + s.
+
+    A run's 8 inputs 2s + e of one output, one byte each, are an int64: the bytes b_i | b_i+2
+    << 4 (t) hold the nibble pairs of words (u, e); bytes 0, 4 of t are the word of e = 0
+    and bytes 1, 5 that of e = 1."""
     rows, blocks, inputs = q.shape
-    g, nu = rows // GROUP, inputs // UNIT
-    # [group, o, block, unit, u, s, e] -> [group, block, unit, u, o, e, s]
-    v = (q & 0x0F).reshape(g, GROUP, blocks, nu, 4, 4, 2).permute(0, 2, 3, 4, 1, 6, 5)
-    return _pack_bits(v, 4).reshape(g, blocks, nu, 256)
+    x = q.contiguous().view(torch.int64)
+    t = x | (x >> 12)
+    both = (t & 0xFF) | ((t >> 24) & 0xFF00) | ((t << 8) & 0xFF0000) | ((t >> 16) & 0xFF000000)
+    return _by_output(both.to(torch.int32).view(rows, blocks, inputs // UNIT, 4))
 
 
 def _high_planes(high: torch.Tensor, bits: int) -> torch.Tensor:
@@ -189,20 +203,24 @@ def _high_planes(high: torch.Tensor, bits: int) -> torch.Tensor:
     64 * bits]: `bits` word vectors per unit, each of 16 / bits pairs, word 2o + e holding
     pair j's field at bit bits * j."""
     rows, blocks, inputs = high.shape
-    g, nu, per_word = rows // GROUP, inputs // UNIT, 16 // bits
-    # [group, o, block, unit, vector, j, e] -> [group, block, unit, vector, o, e, j]
-    v = high.reshape(g, GROUP, blocks, nu, bits, per_word, 2).permute(0, 2, 3, 4, 1, 6, 5)
-    return _pack_bits(v, bits).reshape(g, blocks, nu, 64 * bits)
+    per_word = 16 // bits
+    # [row, block, unit, vector, j, e] -> [row, block, unit, vector, e, j]
+    v = high.view(rows, blocks, inputs // UNIT, bits, per_word, 2).transpose(-1, -2)
+    words = _pack_bits(v.contiguous(), bits)  # [..., vector, e, 2 bytes]
+    words = words.view(rows, blocks, inputs // UNIT, bits, 4).view(torch.int32)
+    return _by_output(words.view(rows, blocks, inputs // UNIT, bits))
 
 
 def _pack_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """Fields of `bits` bits along the last dimension into bytes, little end first."""
+    """Fields of `bits` bits (contiguous, along the last dimension) into bytes, little end
+    first: the 8 / bits bytes of one output byte read as one integer, each field shifted
+    down into place."""
     per_byte = 8 // bits
-    v = v.reshape(*v.shape[:-1], -1, per_byte)
-    out = v[..., 0].clone()
+    x = v.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[per_byte])
+    out = x.clone()
     for i in range(1, per_byte):
-        out |= v[..., i] << (bits * i)
-    return out
+        out |= x >> (i * (8 - bits))
+    return (out & 0xFF).to(torch.uint8).view(*v.shape[:-1], -1)
 
 
 def dequantize_packed_rows(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int,

@@ -12,10 +12,10 @@
 //   Q6_K  q' = 128 + q (0..63)    s = d sc (int8)   c = -160 s          (w = d sc (q - 32))
 // so over a unit x . w = s (x . q') + c sum(x): the dot products run on bf16 (AVX512-BF16
 // VDPBF16PS, or fp32 FMAs on AVX2) and each unit's sum is scaled and corrected in fp32. A
-// 16-bit word whose low 7 bits are q, OR 0x4300, is the bf16 of 128 + q; its high half of
-// an fp32, the fp32 of it. d * sc is exact in fp32 (11 + 8 bits), not in fp16: the K-quant
-// scales stay the GGUF's integers, one byte each, multiplied here. The scale unit is 32
-// inputs, 16 for Q6_K.
+// 16-bit word whose low 7 bits are q, OR 0x4300, is the bf16 of 128 + q (and as the high
+// half of an fp32, the fp32 of it). d * sc is exact in fp32 (11 + 8 bits), not in fp16:
+// the K-quant scales stay the GGUF's integers, one byte each, multiplied here. The scale
+// unit is 32 inputs, 16 for Q6_K.
 //
 // Layout (layers/gguf_packing.py pack_gguf): outputs in groups of 16 (one vector of fp32
 // sums), N padded to an even number of groups; groups in panels of 4 (the last may have 2);
@@ -32,6 +32,14 @@
 //           Q8_0 instead 16 pairs of 32 int8, byte 2o + e of pair p output o's element e.
 // The packed size is 1.00-1.03x the GGUF bytes (Q4_K 148/144, Q5_K 180/176). With the
 // headers of a block first and every unit 64-byte sized, each quant load is a whole line.
+//
+// Work: up to 3 rows, each thread takes whole panels and runs one row at a time over all 4
+// groups; beyond, half panels, in register tiles of 4 rows by 2 groups that share each
+// unpacked weight vector (rows left over: one at a time), 256-row chunks. Each (row, group)
+// sums a scale unit's even and odd pairs in two chains, scales their sum by s and adds
+// c sum(x) in fp32. One-row tiles prefetch the lines they will read 4 KiB on. The AVX2
+// path keeps the layout: a 32-byte half of a word vector is 8 outputs' pairs, widened to
+// fp32 (the bf16 word shifted up, or masked) for FMAs, in tiles of 2 or 1 rows by 2 groups.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -130,12 +138,20 @@ Shape shape_of(int64_t n, int64_t k) {
   return s;
 }
 
-// One row is too little work per byte for the hardware prefetcher to stay ahead: a tile of
-// one row requests the bytes this far on as it starts each block's headers and each unit.
+// One row is too little work per byte for the hardware prefetcher to stay ahead: a one-row
+// tile requests the bytes it will read at least kPrefetchBytes of the panel on (whole
+// blocks), as it starts each block's headers and each unit. (Multi-row tiles doing the same
+// ran 10-20% slower at 4 rows.)
 constexpr int64_t kPrefetchBytes = 4096;
-inline void prefetch_range(const uint8_t* p, int64_t bytes) {
-  for (int64_t c = 0; c < bytes; c += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + c), _MM_HINT_T0);
+inline void prefetch(const uint8_t* p, int64_t bytes) {  // every line of p[0:bytes]
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < end; a += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+}
+template <QType T>
+int64_t prefetch_distance(int64_t G) {
+  const int64_t block = G * kGroupBlock<T>;
+  return (kPrefetchBytes + block - 1) / block * block;
 }
 
 constexpr int64_t kChunkRows = 256;  // rows per work item
@@ -221,18 +237,16 @@ inline void scales512(const uint8_t* header, int sub, __m512& s, __m512& c) {
   }
 }
 
-// One tile: out[0:rows][NG * 16] = x[0:rows] . w over groups g0 .. g0 + NG - 1 of a panel
+// One tile: out[0:MR][NG * 16] = x[0:MR] . w over groups g0 .. g0 + NG - 1 of a panel
 // of G groups starting at w; xs: each row's sum over each scale unit (row stride ldxs).
 // Each (row, group) keeps two sums in a scale unit, of the even and of the odd pairs: one
 // row has too few independent sums to hide the dot product's latency otherwise.
 template <QType T, int MR, int NG>
-void tile512(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
+void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile512<T, MR - 1, NG>(rows, x, ldx, xs, ldxs, w, G, g0, blocks, out);
-  }
   constexpr int kRuns = 4 / F::kSubs;  // runs per scale unit
+  const int64_t ahead = prefetch_distance<T>(G);
   __m512 acc[MR][NG];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -240,10 +254,10 @@ void tile512(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, 
     for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    if constexpr (MR == 1) prefetch_range(blk, G * F::kHeader);
+    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      if constexpr (MR == 1) prefetch_range(units, NG * F::kUnit);
+      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
       const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
@@ -375,22 +389,20 @@ inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m25
 // (row, group, half) sums a scale unit's pairs in order, its first and second elements in
 // turn, in one chain.
 template <QType T, int MR, int NG>
-void tile256(int64_t rows, const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
+void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile256<T, MR - 1, NG>(rows, xf, ldx, xs, ldxs, w, G, g0, blocks, out);
-  }
   constexpr int kRuns = 4 / F::kSubs;
+  const int64_t ahead = prefetch_distance<T>(G);
   __m256 acc[MR][NG][2];
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    if constexpr (MR == 1) prefetch_range(blk, G * F::kHeader);
+    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      if constexpr (MR == 1) prefetch_range(units, NG * F::kUnit);
+      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
       const float* xu = xf + b * F::kBlock + i * kUnitInputs;
       for (int h = 0; h < F::kSubs; ++h) {
         __m256 part[MR][NG][2];
@@ -508,41 +520,47 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
       const int64_t cols = std::min(NG * kGroup, n - col0);
       const uint8_t* w = packed + panel * sh.panel_bytes;
       const float* xs = sums.data() + m0 * per_row;
-      // Rows in tiles of MR (MR rows by NG groups; the AVX2 tiles go 2 groups at a time).
-      auto each_tile = [&](int64_t MR, auto&& tile) {
-        for (int64_t m = 0; m < rows; m += MR) {
-          const int64_t r = std::min(MR, rows - m);
-          tile(r, m, out);
+      // Rows in tiles of MR rows (tile), the rows left over one at a time (one_row): the
+      // same sums in the same order, MR only sets how many rows share each weight load.
+      auto each_tile = [&](int64_t MR, auto&& tile, auto&& one_row) {
+        for (int64_t m = 0; m < rows;) {
+          const int64_t r = MR > 1 && rows - m >= MR ? MR : 1;
+          if (r > 1) tile(m, out);
+          else one_row(m, out);
           for (int64_t j = 0; j < r; ++j)
             store_row(y + (m0 + m + j) * ldy + col0, out + j * NG * kGroup, cols);
+          m += r;
         }
       };
 #if defined(GGUF_AVX512)
       if (isa == Isa::kAvx512) {
         const at::BFloat16* xr = xp + m0 * ldx;
-        if (few && NG == 4)
-          each_tile(1, [&](int64_t r, int64_t m, float* o) {
-            tile512<T, 1, 4>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-          });
-        else
-          each_tile(few ? 1 : 4, [&](int64_t r, int64_t m, float* o) {
-            if (few) tile512<T, 1, 2>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-            else tile512<T, 4, 2>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-          });
+        auto four = [&](int64_t m, float* o) {
+          tile512<T, 4, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+        };
+        auto one = [&](int64_t m, float* o) {
+          if (NG == 4)
+            tile512<T, 1, 4>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+          else
+            tile512<T, 1, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+        };
+        each_tile(few ? 1 : 4, four, one);
       }
 #endif
 #if defined(GGUF_AVX2)
       if (isa == Isa::kAvx2) {
         const float* xr = xf.data() + m0 * K;
-        each_tile(few ? 1 : 2, [&](int64_t r, int64_t m, float* o) {
-          for (int64_t g = 0; g < NG; g += 2) {  // out rows are NG groups wide
-            alignas(64) float part[2 * 2 * kGroup];
-            if (few) tile256<T, 1, 2>(r, xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
-            else tile256<T, 2, 2>(r, xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
-            for (int64_t j = 0; j < r; ++j)
+        // out's rows are NG groups wide; the AVX2 tiles take 2 groups at a time.
+        auto tile = [&]<int MR>(int64_t m, float* o) {
+          for (int64_t g = 0; g < NG; g += 2) {
+            alignas(64) float part[MR * 2 * kGroup];
+            tile256<T, MR, 2>(xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
+            for (int64_t j = 0; j < MR; ++j)
               std::memcpy(o + j * NG * kGroup + g * kGroup, part + j * 2 * kGroup, 2 * kGroup * sizeof(float));
           }
-        });
+        };
+        each_tile(few ? 1 : 2, [&](int64_t m, float* o) { tile.template operator()<2>(m, o); },
+                  [&](int64_t m, float* o) { tile.template operator()<1>(m, o); });
       }
 #endif
     }
@@ -663,13 +681,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   } else {
     y = at::empty({M, n}, x.options().dtype(dtype));
   }
-  if (M == 0) return y.narrow(1, 0, n);
+  if (M == 0) return out.has_value() ? y.narrow(1, 0, n) : y;
   dispatch(qtype, [&]<QType T>() {
     if (fp32_out) run<T>(xc, packed.data_ptr<uint8_t>(), n, y.data_ptr<float>(), y.stride(0), isa);
     else run<T>(xc, packed.data_ptr<uint8_t>(), n, y.data_ptr<at::BFloat16>(), y.stride(0), isa);
     return 0;
   });
-  return y.narrow(1, 0, n);
+  return out.has_value() ? y.narrow(1, 0, n) : y;
 }
 
 at::Tensor gguf_dequantize_rows(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
