@@ -25,7 +25,7 @@
 //   header  Q4_0 d[16] fp16 | Q4_1 d[16], m[16] | Q8_0 d[16] |
 //           Q4_K/Q5_K d[16], dmin[16] fp16, sc[8][16], mn[8][16] uint8 |
 //           Q6_K d[16] fp16, sc[16][16] int8
-//   unit    4 runs of 32 16-bit words (as q4_linear.cpp): run u's word 2o + e holds in its
+//   unit    4 runs of 32 16-bit words: run u's word 2o + e holds in its
 //           nibbles s = 0..3 the low 4 bits of output o's element e of pair 4u + s;
 //           Q5_K then one word vector whose bit j of word 2o + e is bit 4 of pair j's q;
 //           Q6_K then two, vector v's bits 2j, 2j + 1 bits 4-5 of pair 8v + j;
