@@ -11,9 +11,12 @@
 //   S^T = K Q^T        2 tiles of 16 keys x 16 queries, AMX dot products over D;
 //   online softmax     AVX-512, lane-wise (no reductions across lanes): scale, causal mask,
 //                      running max and sum in fp32, P^T rounded to bf16;
-//   O^T += V^T P^T     4 accumulator tiles (head_dim 64) that stay in the tiles for the
-//                      whole loop: the running maximum is raised only when a chunk's scores
-//                      outgrow it by more than kMaxSlack, and only then is O rescaled.
+//   O^T += V^T P^T     4 accumulator tiles per 64 dims. At head_dim 64 they stay in the
+//                      tiles for the whole loop: the running maximum is raised only when a
+//                      chunk's scores outgrow it by more than kMaxSlack, and only then is O
+//                      rescaled. At 128 and 256 (8 tiles cannot hold 8 or 16 accumulators
+//                      besides S^T and the operands), O^T lives in Scratch::acc and passes
+//                      through the 4 tiles 64 dims at a time, once per chunk.
 // K and V^T of every (prompt, KV head) are copied once per call into 32-key chunks (a first
 // parallel pass), then read by every query head of the group and every query block.
 // On SmolLM2's shapes: 1.6x torch's flash attention at 64-256 tokens, 1.8x at 2048 (431
@@ -26,6 +29,11 @@
 // loaded and stored once per 32-key chunk (O^T, from Scratch::acc). Torch's flash attention
 // on such a CPU computes in fp32 through MKL's sgemm: about 100 GFLOP/s on 2 Zen 5 cores,
 // a quarter of a 2048-token prefill step.
+//
+// Every loop over D is a template on it: head_dim 64, 128 and 256 (SmolLM2; Qwen3 and
+// Llama 3; Gemma), the same code at each. On Zen 5 at Qwen3-0.6B's shapes (16 query heads
+// over 8 KV heads of 128), 512 and 2,048 tokens: 2.6-3.9x torch's flash attention (163
+// GFLOP/s on one core, up to 321 on two).
 //
 // Work items are (prompt, query head, 16-query block), largest first, handed out one at a
 // time. A build without AVX512-BF16 has no kernel here: prompt_attention_isa() says so and
