@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import gguf
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -62,8 +63,10 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight's values, float32 [rows, cols]."""
-        from pagedllm.loader.dequant import dequantize  # (the loader imports the layers)
-        return dequantize(self.data, self.qtype, self.shape)
+        # (the gguf package's reference dequantization: this is the rare path of a weight
+        # that cannot stay quantized; the loader's faster one imports the layers)
+        values = gguf.quants.dequantize(self.data.numpy(), self.qtype)
+        return torch.from_numpy(values).reshape(self.shape)
 
 
 @dataclass
