@@ -31,10 +31,11 @@ class EngineConfig:
                       "bf16 matmuls, else float32; on CUDA bfloat16), float32, bfloat16, float16",
                       default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str | None = _opt(
-        "gguf: keep a GGUF model's Q4_1 linear weights quantized (their exact values, 5 bits a "
-        "weight read per token instead of 16: faster decoding at few rows; bfloat16 "
-        "activations, CPUs with AVX512-BF16); default: dequantize every weight to --dtype",
-        default=None, choices=["gguf"])
+        "gguf: compute from a GGUF file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights as "
+        "stored (their exact values, 4.5-8.5 bits a weight read per token instead of 16; "
+        "bfloat16 activations; CPUs with AVX2 or AVX-512); none: dequantize every weight to "
+        "--dtype. Default: gguf for GGUF files where it applies (CPU, one rank, --dtype "
+        "auto), else none", default=None, choices=["gguf", "none"])
     max_model_len: int | None = _opt("longest prompt + output in tokens (default: the model's)",
                                      default=None)
     max_num_seqs: int = _opt("most sequences in one batch", default=256)
@@ -96,14 +97,14 @@ class EngineConfig:
 
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"quantization must be gguf or unset, got {self.quantization!r}")
-        if self.quantization and self.dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"quantization=gguf computes in bfloat16; dtype {self.dtype!r} "
-                             "cannot go with it")
-        if self.quantization and self.device == "cuda":
+        if self.quantization not in (None, "gguf", "none"):
+            raise ValueError(f"quantization must be gguf or none, got {self.quantization!r}")
+        if self.quantization == "gguf" and self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"quantization=gguf computes in bfloat16 or float32; dtype "
+                             f"{self.dtype!r} cannot go with it")
+        if self.quantization == "gguf" and self.device == "cuda":
             raise ValueError("quantization=gguf has a CPU kernel only (device cpu)")
-        if self.quantization and self.tensor_parallel_size != 1:
+        if self.quantization == "gguf" and self.tensor_parallel_size != 1:
             raise ValueError("quantization=gguf runs on one rank (tensor_parallel_size=1)")
         positive_int("max_model_len", allow_none=True)
         positive_int("max_num_seqs")

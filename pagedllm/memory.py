@@ -64,7 +64,8 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
         return 0
     unique, seen = [], set()
     for t in tensors:
-        if t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() not in seen:
+        if (t.device.type == "cpu" and t.is_contiguous() and t.numel()
+                and t.data_ptr() not in seen):
             seen.add(t.data_ptr())
             unique.append(t)
     align = 64
@@ -116,3 +117,37 @@ def collapse_to_huge_pages(ranges: list[tuple[int, int]]) -> int:
                 madvise(first, last - first, _MADV_COLLAPSE) == 0:
             collapsed += last - first
     return collapsed
+
+
+def release_free_memory() -> None:
+    """Give the C allocator's free memory back to the kernel (glibc's malloc_trim; nothing
+    elsewhere). Loading frees as much as it keeps (each weight's plain form once packed,
+    the packings once copied onto huge pages), mostly in chunks below glibc's dynamic mmap
+    threshold that stay in its heaps: ~0.5x the weights' size of RSS that no tensor holds."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
+def _storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int]:
+    if t.is_mkldnn:  # oneDNN's opaque packing: no storage to ask, as many bytes as elements
+        return id(t), t.numel() * t.element_size()
+    if t.device.type == "meta":
+        return 0, 0
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of memory the model's tensors hold: its parameters, buffers and every linear's
+    packed_weight, each storage counted once (tied weights, views of one region), counted
+    whole (a view of part of a storage keeps all of it alive). The KV cache is not a
+    parameter or buffer: not counted."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [m.packed_weight for m in model.modules()
+                if isinstance(getattr(m, "packed_weight", None), torch.Tensor)]
+    sizes = dict(_storage_key_and_bytes(t) for t in tensors)
+    return sum(size for key, size in sizes.items() if key)

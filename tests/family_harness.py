@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from gguf_from_hf import MetadataHook, write_gguf
+from gguf_from_hf import MetadataHook, quantize_weights, write_gguf
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.context import get_context, reset_context
 from pagedllm.engine.sequence import Sequence
@@ -49,6 +49,9 @@ class Family:
     gguf_hook: MetadataHook | None = None
     gguf_transform: Callable[[str, Any], Any] | None = None
     init: Callable[[torch.nn.Module], None] | None = None  # weights away from HF's init
+    # the GGUF type of each HF weight kept quantized in the GGUF (None: float32); the HF
+    # model then holds their dequantized values (gguf_from_hf.quantize_weights)
+    quantize: Callable[[str], Any] | None = None
     sizes: dict[str, Any] = field(default_factory=lambda: dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512))
@@ -86,9 +89,10 @@ def build(family: Family, root: Path) -> Built:
     _spread_norms(model)
     if family.init is not None:
         family.init(model)
+    quantized = quantize_weights(model, family.quantize) if family.quantize else None
     model.save_pretrained(str(hf_dir))
     gguf = write_gguf(model, family.gguf_arch, root / f"{family.name}.gguf", family.gguf_hook,
-                      family.gguf_transform)
+                      family.gguf_transform, quantized)
     return Built(family, model, hf_dir, gguf)
 
 

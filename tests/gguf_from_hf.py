@@ -21,6 +21,67 @@ from pagedllm.loader.gguf_metadata import read_metadata
 # a family's hook: (writer, HF config) -> None, for metadata beyond the common keys
 MetadataHook = Callable[[gguf.GGUFWriter, Any], None]
 
+# where each quantized type keeps its fp16 scale fields (d, and dmin / m), in bytes
+_SCALE_FIELDS = {gguf.GGMLQuantizationType.Q4_0: (0,), gguf.GGMLQuantizationType.Q4_1: (0, 2),
+                 gguf.GGMLQuantizationType.Q8_0: (0,), gguf.GGMLQuantizationType.Q4_K: (0, 2),
+                 gguf.GGMLQuantizationType.Q5_K: (0, 2), gguf.GGMLQuantizationType.Q6_K: (208,)}
+
+
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, std: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Random but valid blocks of a [rows, cols] weight of qtype (uint8 [rows, bytes per
+    row]): random quants and sub-block scales, the fp16 scale fields set so that the
+    dequantized weight has about the given standard deviation (the values are linear in
+    them)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    fields = _SCALE_FIELDS[qtype]
+
+    def set_scales(value: np.ndarray) -> None:
+        for offset in fields:
+            blocks[:, offset:offset + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    set_scales(np.ones(len(blocks)))
+    unit = gguf.quants.dequantize(blocks.reshape(rows, -1), qtype)
+    set_scales(np.full(len(blocks), std / max(float(unit.std()), 1e-6)))
+    return blocks.reshape(rows, -1)
+
+
+def quantize_weights(model: torch.nn.Module, qtype_of: Callable[[str], Any], seed: int = 0
+                     ) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:
+    """Give the model's 2-D weights random quantized values: for each one qtype_of(name)
+    names a type for, random valid blocks of that type (of the weight's own scale) replace
+    it, and the weight becomes their dequantization by the gguf package (the reference
+    values). Returns {name: (type, blocks)} for write_gguf."""
+    rng = np.random.default_rng(seed)
+    out = {}
+
+    def quantize(name: str, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [..., rows, cols] as name's type: its dequantized blocks (None: kept)."""
+        qtype = qtype_of(name)
+        if qtype is None:
+            return None
+        *lead, cols = weight.shape
+        blocks = random_blocks(qtype, int(np.prod(lead)), cols, float(weight.float().std()), rng)
+        out[name] = (qtype, blocks.reshape(*lead, -1))
+        return torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).view(weight.shape)
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # transformers 5's fused experts, written as convert_hf_to_gguf.py splits them
+            if name.endswith("mlp.experts.gate_up_proj"):
+                experts = name.removesuffix("gate_up_proj")
+                gate, up = param.chunk(2, dim=-2)
+                values = [quantize(experts + part + "_proj.weight", w)
+                          for part, w in (("gate", gate), ("up", up))]
+                if None not in values:
+                    param.copy_(torch.cat(values, dim=-2))
+            elif param.dim() == 2 or name.endswith("mlp.experts.down_proj"):
+                key = name if param.dim() == 2 else name + ".weight"
+                if (value := quantize(key, param)) is not None:
+                    param.copy_(value)
+    return out
+
 
 def llama_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's Q/K row permutation (HF rotate-half pairs -> interleaved pairs)."""
@@ -100,8 +161,11 @@ def _checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
 
 def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
                metadata_hook: MetadataHook | None = None,
-               transform: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Path:
-    """model's weights and config as a GGUF of architecture `arch` (llama.cpp's name)."""
+               transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
+               quantized: dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]] | None = None
+               ) -> Path:
+    """model's weights and config as a GGUF of architecture `arch` (llama.cpp's name); the
+    weights in `quantized` (quantize_weights) as their blocks."""
     path, config = Path(path), model.config
     writer = gguf.GGUFWriter(str(path), arch)
     _common_metadata(writer, config)
@@ -118,11 +182,14 @@ def write_gguf(model: torch.nn.Module, arch: str, path: str | Path,
         gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise KeyError(f"gguf has no {arch} name for {name!r}")
-        data = tensor.float().numpy()
+        qtype, data = (quantized or {}).get(name, (None, tensor.float().numpy()))
         if arch == "llama" and gguf_name.endswith("attn_q.weight"):
             data = llama_permute(data, config.num_attention_heads)
         elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
             data = llama_permute(data, config.num_key_value_heads)
+        if qtype is not None:  # (rows of blocks: the permutation moves whole rows)
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=qtype)
+            continue
         if transform is not None:
             data = transform(gguf_name, data)
         writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))

@@ -35,6 +35,9 @@ MAX_KERNEL_QUERY_LEN = 32
 # Cascade attention pays when enough rows share a long enough prefix.
 CASCADE_MIN_ROWS = 4
 CASCADE_MIN_TOKENS = 256
+# The head sizes the prompt-attention kernel is compiled for (SmolLM2's, Qwen3's and Llama 3's,
+# Gemma's).
+PROMPT_KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
@@ -213,10 +216,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def attention_kernel(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether attention over new tokens or a shared prefix takes pagedllm's kernel
-    (csrc/prompt_attention.cpp): bf16, head_dim 64, a build with AVX512-BF16. It runs on
-    AMX tiles where the CPU and kernel allow them (1.6-1.9x torch's flash attention), else
-    on AVX512-BF16 dot products (several times torch's there, which computes in fp32)."""
-    return dtype == torch.bfloat16 and head_dim == 64 and probes.prompt_attention_isa() != ""
+    (csrc/prompt_attention.cpp): bf16, head_dim in PROMPT_KERNEL_HEAD_DIMS, a build with
+    AVX512-BF16. It runs on AMX tiles where the CPU and kernel allow them (1.6-1.9x torch's
+    flash attention), else on AVX512-BF16 dot products (several times torch's there, which
+    computes in fp32)."""
+    return (dtype == torch.bfloat16 and head_dim in PROMPT_KERNEL_HEAD_DIMS
+            and probes.prompt_attention_isa() != "")
 
 
 def prompt_kernel(q: torch.Tensor) -> bool:

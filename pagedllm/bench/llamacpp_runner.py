@@ -24,6 +24,18 @@ __all__ = ["LlamaCppRunner", "gguf_for_dtype"]
 _KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
+def default_llama_server() -> str | None:
+    """$PAGEDLLM_LLAMA_SERVER, else the llama-server scripts/build_llamacpp.sh builds
+    ($PAGEDLLM_LLAMACPP_DIR, default ~/.cache/pagedllm/llama.cpp, then build/bin/), where
+    it exists; else None."""
+    if path := os.environ.get("PAGEDLLM_LLAMA_SERVER"):
+        return path
+    root = os.environ.get("PAGEDLLM_LLAMACPP_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "llama.cpp"))
+    path = os.path.join(root, "build", "bin", "llama-server")
+    return path if os.access(path, os.X_OK) else None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.hardware import MachineMeasurement, machine_info, measure_machine
+from pagedllm.bench.llamacpp_runner import default_llama_server
 from pagedllm.bench.report import (format_bounds, format_machine, format_serving, format_table,
                                    write_chart, write_json)
 from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
@@ -96,7 +97,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="peers to run on the same token ids: hf, llamacpp (comma-separated)")
     r.add_argument("--hf-batch-sizes", type=_csv_ints, default=[8, 32, 64],
                    help="static batch sizes HF transformers tries; the fastest is reported")
-    r.add_argument("--llama-server", default=None, help="path of a llama.cpp llama-server binary")
+    r.add_argument("--llama-server", default=None,
+                   help="path of a llama.cpp llama-server binary (default: $PAGEDLLM_LLAMA_SERVER, "
+                        "else the one scripts/build_llamacpp.sh built, if any)")
     r.add_argument("--llama-gguf", default=None,
                    help="GGUF for llama.cpp (default: the model converted to F32/BF16 per dtype)")
     r.add_argument("--llama-parallel", type=int, default=16, help="llama.cpp server slots")
@@ -125,7 +128,10 @@ def validate_args(args: argparse.Namespace) -> None:
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     if "llamacpp" in args.compare and not args.llama_server:
-        raise ValueError("--compare llamacpp needs --llama-server PATH (a llama.cpp llama-server binary)")
+        args.llama_server = default_llama_server()
+    if "llamacpp" in args.compare and not args.llama_server:
+        raise ValueError("--compare llamacpp needs --llama-server PATH (a llama.cpp llama-server binary; "
+                         "scripts/build_llamacpp.sh builds one)")
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
 

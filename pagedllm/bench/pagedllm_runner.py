@@ -55,6 +55,7 @@ class PagedLLMRunner:
         return {"pagedllm": pagedllm_version(), "torch": torch.__version__}
 
     def settings(self) -> dict:
+        from pagedllm.loader.model_loader import decode_read_bytes
         cfg = self.llm.engine.config
         return {"max_num_seqs": cfg.max_num_seqs,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens,
@@ -62,18 +63,9 @@ class PagedLLMRunner:
                 "enforce_eager": cfg.enforce_eager, "quantization": cfg.quantization,
                 "num_kv_blocks": self.llm.engine.model_runner.num_kvcache_blocks,
                 "load_s": round(self.load_s, 2),
-                **({"label": "Q4_1 weights", "weight_bytes": self._weight_bytes()}
+                **({"label": "GGUF weights kept quantized",
+                    "weight_bytes": decode_read_bytes(self.llm.engine.model_runner.model)}
                    if cfg.quantization == "gguf" else {})}
-
-    def _weight_bytes(self) -> int:
-        """Bytes of the weights a decode token reads: each linear's Q4_1 packing (or its
-        weight) and the LM head."""
-        from pagedllm.layers.linear import LinearBase
-        from pagedllm.layers.quantized import is_q4_1
-        model = self.llm.engine.model_runner.model
-        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-        return (sum(m.packed_weight.nbytes if is_q4_1(m.packed_weight) else m.weight.nbytes
-                    for m in linears) + model.lm_head.weight.nbytes)
 
     def warmup(self, workload: Workload) -> None:
         self.llm.generate([r.prompt_token_ids for r in workload.requests],

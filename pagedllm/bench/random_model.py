@@ -3,22 +3,63 @@
 
     python -m pagedllm.bench.random_model qwen2.5-0.5b /tmp/qwen2.5-0.5b
     pagedllm bench throughput --model /tmp/qwen2.5-0.5b --compare hf
+    python -m pagedllm.bench.random_model llama-3-8b /tmp/models --gguf Q4_K_M
 
 Each preset is the published config.json of the model it names, built with transformers'
 own class; the largest keep their per-layer shapes with fewer layers (the name says so)
 so that they fit beside HF transformers in 24 GiB. The bundled model's tokenizer is saved
 beside the weights (the benchmarks send token ids drawn within its vocabulary).
+
+--gguf TYPE writes the Llama and Qwen3 presets as one GGUF file of that quantization type
+instead (bench/random_gguf.py: block by block, never the whole model in memory).
 """
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedllm.bench.random_gguf import GGUF_TYPES
+
 # name -> (transformers config class, config kwargs)
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-0.6b": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+    "qwen3-1.7b": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+    "llama-3.2-1b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+        rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "llama-3.2-3b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
+        rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "llama-3-8b": ("LlamaConfig", dict(  # Llama-3.1-8B's shapes and rope scaling
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5,
+        tie_word_embeddings=False)),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
     "qwen2.5-0.5b": ("Qwen2Config", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -60,7 +101,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         tie_word_embeddings=False)),
 }
 # what transformers' class is called for each config class
-_MODEL_CLASSES = {"Qwen2Config": "Qwen2ForCausalLM", "MistralConfig": "MistralForCausalLM",
+_MODEL_CLASSES = {"Qwen3Config": "Qwen3ForCausalLM", "LlamaConfig": "LlamaForCausalLM",
+                  "Qwen2Config": "Qwen2ForCausalLM", "MistralConfig": "MistralForCausalLM",
                   "Phi3Config": "Phi3ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM",
                   "Gemma2Config": "Gemma2ForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
                   "MixtralConfig": "MixtralForCausalLM"}
@@ -87,15 +129,32 @@ def make_random_model(preset: str, out_dir: str, dtype: torch.dtype = torch.bflo
     return out_dir
 
 
+def make_random_gguf(preset: str, out_dir: str, gguf_type: str, seed: int = 0,
+                     progress: bool = False) -> str:
+    """Write the preset as out_dir/{preset}-{gguf_type}.gguf (random_gguf.py); its path."""
+    from pagedllm.bench.random_gguf import write_random_gguf
+    config_class, kwargs = PRESETS[preset]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / f"{preset}-{gguf_type}.gguf"
+    return str(write_random_gguf(config_class, kwargs, path, gguf_type, name=preset,
+                                 seed=seed, progress=progress))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--gguf", metavar="TYPE", choices=GGUF_TYPES, default=None,
+                        help=f"write one GGUF file of this type instead of an HF directory "
+                             f"(Llama and Qwen3 presets): {', '.join(GGUF_TYPES)}")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    make_random_model(args.preset, args.out_dir, getattr(torch, args.dtype))
-    print(f"{args.preset}: saved to {args.out_dir} in {time.perf_counter() - start:.0f} s")
+    if args.gguf:
+        out = make_random_gguf(args.preset, args.out_dir, args.gguf, progress=True)
+    else:
+        out = make_random_model(args.preset, args.out_dir, getattr(torch, args.dtype))
+    print(f"{args.preset}: saved to {out} in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,15 @@ cuda_graph.py's replayed decode steps: the model runner picks, per step, the mod
 a CUDA graph or this stack.
 
 The stack runs the kernels the model's per-op forward runs (models/llama.py on the CPU
-kernels: RMSNorm, the linears' methods, rotary, store_kv, paged attention, SiLU-and-mul), in
-the same order on the same tensors, so its results are the same bit for bit. It saves the
-Python and torch dispatch around ~12 ops a layer: about 1 ms a step at one row.
+kernels: RMSNorm, the linears' methods and biases, q/k norms, rotary, store_kv, paged
+attention, SiLU-and-mul), in the same order on the same tensors, so its results are the
+same bit for bit. It saves the Python and torch dispatch around ~12-16 ops a layer: about
+1 ms a step at one row for SmolLM2's 30 layers.
 
-It applies to Llama-structured layers (a dense MLP; no q/k norms, biases, windows, partial
-or LongRoPE rotary, or tensor parallelism) on the cpu_paged backend, with bf16 weights or
-GGUF Q4_1 ones. Its per-model arguments are gathered once (~0.65 ms) and checked each step
+It applies to Llama-structured layers (Llama, Qwen2 with its q/k/v biases, Qwen3 with its
+q/k norms, Mistral where the window is longer than the model; a dense MLP; no windows,
+soft-caps, partial or LongRoPE rotary, or tensor parallelism) on the cpu_paged backend,
+with bf16 weights or GGUF ones kept quantized. Its per-model arguments are gathered once (~0.65 ms) and checked each step
 by identity (~12 us), so a forward hook put on a layer (the step then runs op by op, and the
 hook fires), a cache rebound or a weight repacked since is seen. `enforce_eager=True` turns
 it off.
@@ -23,22 +25,50 @@ from pagedllm.attention import cpu_paged
 from pagedllm.attention.context import Context
 from pagedllm.kernels import ops, probes
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantized import is_q4_1
+from pagedllm.layers.linear_methods import OneDNNLinearMethod, PackedBf16LinearMethod
 from pagedllm.models.llama import MLP, DecoderLayer, DecoderModel
 
 
+def _stack_linear(m: LinearBase) -> object | None:
+    """The stack's description of a linear (kernels/csrc/ops.h StackLinear), None where its
+    method is not one the stack runs: pagedllm's packed bf16 kernel, oneDNN's (with the
+    weight-streaming and AMX kernels for few rows), or GGUF parts kept quantized."""
+    bias = m.bias
+    if m.gguf_parts is not None:
+        if bias is not None and bias.dtype != torch.bfloat16:
+            return None
+        return ops.stack_linear(m.weight, m.weight, [p.packed for p in m.gguf_parts],
+                                [int(p.qtype) for p in m.gguf_parts],
+                                [p.stop - p.start for p in m.gguf_parts], bias)
+    if m.weight.dtype != torch.bfloat16 or not m.weight.is_contiguous():
+        return None
+    if isinstance(m.linear_method, PackedBf16LinearMethod):
+        return ops.stack_linear(m.weight, m.packed_weight, [], [], [], bias)
+    if isinstance(m.linear_method, OneDNNLinearMethod):
+        # the weight again where there is no packing: the stack then streams the plain one
+        # (decode_layers takes few rows only, see CpuDecodeStack.run)
+        packed = m.weight if m.packed_weight is None else m.packed_weight
+        return ops.stack_linear(m.weight, packed, [], [], [], bias)
+    return None
+
+
 class _StackArgs:
-    """The stack's per-model arguments: each layer's norms and linear weights (plain and
-    packed), the final norm, the KV caches; with what they were taken from, to check them
-    each step by identity. all_packed: every linear has a packed copy (without one, a linear
-    can only take the weight-streaming kernel: up to probes.small_linear_rows() rows)."""
+    """The stack's per-model arguments: each layer's norms, linears and KV caches, the final
+    norm; with what they were taken from, to check them each step by identity. all_packed:
+    every linear computes from a packing that takes any row count (without one, a linear can
+    only take the weight-streaming kernel: up to probes.small_linear_rows() rows)."""
 
     def __init__(self, layers: list[DecoderLayer], linears: list[LinearBase],
-                 weights: list[torch.Tensor], attns: list[Attention]) -> None:
-        self.layers, self.linears, self.weights, self.attns = layers, linears, weights, attns
+                 stack_layers: list[object], attns: list[Attention], final_norm: torch.Tensor
+                 ) -> None:
+        self.layers, self.linears, self.stack_layers, self.attns = layers, linears, stack_layers, attns
+        self.final_norm = final_norm
         self.packed = [m.packed_weight for m in linears]
-        self.all_packed = all(w is not None for w in self.packed)
+        self.parts = [m.gguf_parts for m in linears]
+        self.all_packed = all(m.packed_weight is not None or m.gguf_parts is not None
+                              for m in linears)
         self.k_caches = [a.k_cache for a in attns]
         self.v_caches = [a.v_cache for a in attns]
 
@@ -47,39 +77,41 @@ class _StackArgs:
         return (not any(ops.has_forward_hooks(layer) for layer in self.layers)
                 and all(a.k_cache is k and a.v_cache is v
                         for a, k, v in zip(self.attns, self.k_caches, self.v_caches))
-                and all(m.packed_weight is w for m, w in zip(self.linears, self.packed)))
+                and all(m.packed_weight is w and m.gguf_parts is p
+                        for m, w, p in zip(self.linears, self.packed, self.parts)))
 
     @staticmethod
     def gather(model: DecoderModel) -> _StackArgs | None:
         """The arguments, or None where the stack does not apply."""
-        layers, linears, weights, attns = list(model.layers), [], [], []
+        layers, linears, stack_layers, attns = list(model.layers), [], [], []
         for layer in layers:
             if (type(layer) is not DecoderLayer or type(layer.mlp) is not MLP
                     or ops.has_forward_hooks(layer)):
                 return None
             attn, mlp = layer.self_attn, layer.mlp
-            if (attn.q_norm is not None or attn.qkv_proj.bias is not None
-                    or not attn.rotary_emb.plain
-                    or attn.o_proj.bias is not None or attn.qkv_proj.tp_size != 1
+            if (not attn.rotary_emb.plain or attn.qkv_proj.tp_size != 1
                     or attn.attn.impl is not cpu_paged.attention or not attn.attn.k_cache.numel()):
                 return None
             layer_linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(not m.weight.is_contiguous() for m in layer_linears):
+            described = [_stack_linear(m) for m in layer_linears]
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm.weight, attn.k_norm.weight]
+            if any(d is None for d in described) or any(
+                    type(n) is not RMSNorm for n in (layer.input_layernorm,
+                                                     layer.post_attention_layernorm)) or any(
+                    w.dtype != torch.bfloat16 for w in norms):
                 return None
-            # each linear's weight and its packed copy, or the weight again where there is
-            # none (decode_layers takes the plain one for few rows unless the copy is
-            # pagedllm's: see layers/linear_methods.py)
-            qkv, o, gate_up, down = ((m.weight, m.weight if m.packed_weight is None
-                                      else m.packed_weight) for m in layer_linears)
-            weights += [layer.input_layernorm.weight, *qkv, *o,
-                        layer.post_attention_layernorm.weight, *gate_up, *down]
+            q_norm = None if attn.q_norm is None else attn.q_norm.weight
+            k_norm = None if attn.k_norm is None else attn.k_norm.weight
+            stack_layers.append(ops.stack_layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm,
+                k_norm, *described, attn.attn.k_cache, attn.attn.v_cache))
             linears += layer_linears
             attns.append(attn.attn)
-        weights.append(model.norm.weight)
-        # (a GGUF Q4_1 weight kept quantized is packed as uint8: decode_layers takes it too)
-        if not all(w.dtype == torch.bfloat16 or is_q4_1(w) for w in weights):
+        if type(model.norm) is not RMSNorm or model.norm.weight.dtype != torch.bfloat16:
             return None
-        return _StackArgs(layers, linears, weights, attns)
+        return _StackArgs(layers, linears, stack_layers, attns, model.norm.weight)
 
 
 class CpuDecodeStack:
@@ -127,7 +159,7 @@ class CpuDecodeStack:
                 prefix_first = prefix.cache_index.start
         x = self.model.embed_tokens.forward(input_ids)
         rotary = first.rotary_emb
-        return ops.decode_layers(x, positions, args.weights, args.k_caches, args.v_caches,
+        return ops.decode_layers(x, positions, args.stack_layers, args.final_norm,
                                  rotary.cos_cache, rotary.sin_cache, ctx.slot_mapping,
                                  plan.tables, plan.q_starts, plan.q_lens, plan.k_lens,
                                  first.num_heads, first.num_kv_heads, self.model.norm.eps,

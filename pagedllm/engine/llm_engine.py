@@ -5,12 +5,15 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import torchrun_env
+from pagedllm.kernels.probes import gguf_linear_available
 from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.engine.kv_cache import available_memory_bytes
+from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -18,7 +21,10 @@ from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, S
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
 from pagedllm.engine.tp.worker import serve_worker_rank, worker_main
-from pagedllm.loader import load_model_source
+from pagedllm.layers.gguf_packing import SUPPORTED_TYPES
+from pagedllm.layers.linear_methods import linear_weight_forms
+from pagedllm.loader import ModelSource, load_model_source
+from pagedllm.loader.model_loader import resident_line
 from pagedllm.loader.validate import check_fits_in_memory
 from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -64,33 +70,67 @@ class _RequestState:
         return all(s.seq.is_finished for s in self.samples)
 
 
+def _default_quantization(config: EngineConfig, source: ModelSource) -> str:
+    """gguf for a GGUF file with types the CPU kernel takes, where the options leave it
+    free (CPU, one rank, dtype auto), else none."""
+    cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    free = config.dtype == "auto" and config.tensor_parallel_size == 1
+    if (source.format == "gguf" and cpu and free and set(SUPPORTED_TYPES) & source.tensor_types
+            and gguf_linear_available()):
+        return "gguf"
+    return "none"
+
+
+def _type_names(types: frozenset) -> str:
+    return ", ".join(sorted(t.name for t in types))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         source = load_model_source(config.model)
+        if config.quantization is None:
+            config.quantization = _default_quantization(config, source)
         self.model_config = source.config
         self.tokenizer: Tokenizer = source.tokenizer
         config.resolve(min(source.config.max_position_embeddings,
                            config.max_model_len or source.config.max_position_embeddings))
         self.eos_token_ids = list(self.tokenizer.eos_token_ids or source.config.eos_token_ids)
-        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(), source.path)
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(source.config, config.tensor_parallel_size)
             env = torchrun_env()
             if env is not None and env.world_size > 1 and env.rank != 0:
                 serve_worker_rank(config, env)  # never returns: this rank only runs shards
-        q4_1 = None
+        keep = frozenset()
         if config.quantization == "gguf":
             if source.format != "gguf":
                 raise ValueError(f"quantization=gguf needs a GGUF model; {source.path!r} is "
                                  f"{source.format}")
-            q4_1 = source.q4_1_weights()
+            if not gguf_linear_available():
+                raise ValueError("quantization=gguf needs the CPU kernels built with AVX2 "
+                                 "(+FMA, F16C) or AVX-512 (this CPU or build has neither)")
+            keep = frozenset(SUPPORTED_TYPES) & source.tensor_types
+            if not keep:
+                raise ValueError(
+                    f"quantization=gguf: {source.path!r} has no weights of the types kept "
+                    f"quantized ({_type_names(SUPPORTED_TYPES)}); its types: "
+                    f"{_type_names(source.tensor_types)}")
+            logger.info("quantization gguf: %s weights kept quantized, %s dequantized to %s",
+                        _type_names(keep) or "no", _type_names(source.tensor_types - keep)
+                        or "no", config.dtype)
+        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(),
+                             source.path, KVCacheShape.of(config, source.config).block_bytes,
+                             linear_weight_forms(config.torch_dtype, config.device),
+                             source.kept_size(keep))
         dist_info = workers = None
         if config.tensor_parallel_size > 1:  # rank 0: the other ranks join it, or it starts them
             dist_info, spawn = rank0_dist_info(config.tensor_parallel_size)
             workers = WorkerProcesses(config, dist_info, spawn, target=worker_main)
-        self.model_runner = ModelRunner(config, source.config, source.weights(config.torch_dtype),
-                                        dist_info, q4_1, workers)
+        self.model_runner = ModelRunner(config, source.config,
+                                        source.weights(config.torch_dtype, keep), dist_info,
+                                        workers)
+        logger.info(resident_line(self.model_runner.model, source.config, config.torch_dtype,
+                                  source.path, source.format, config.tensor_parallel_size))
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_kvcache_blocks, block_size=config.block_size,

@@ -9,6 +9,7 @@ With tensor parallelism rank 0's runner publishes each step's inputs to the othe
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import time
 from dataclasses import fields
@@ -35,7 +36,8 @@ from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
-from pagedllm.loader.model_loader import Q4_1Weights, build_model
+from pagedllm.layers.quantized import GGUFWeight
+from pagedllm.loader.model_loader import build_model, decode_read_bytes, linear_kernels
 from pagedllm.models.config import ModelConfig
 from pagedllm.utils import cdiv
 
@@ -43,17 +45,23 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+@functools.cache
+def _read_bandwidth_gbs() -> float:
+    from pagedllm.bench.hardware import memory_read_gbs
+    return memory_read_gbs(256 * 2**20, min_seconds=0.2)
+
+
 class ModelRunner:
     faults: FaultInjector | None = None  # test-only, see engine/fault_injection.py
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 weights: Iterable[tuple[str, torch.Tensor]], dist_info: DistInfo | None = None,
-                 q4_1_weights: Q4_1Weights | None = None,
+                 weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]],
+                 dist_info: DistInfo | None = None,
                  workers: WorkerProcesses | None = None) -> None:
         """With tensor parallelism dist_info is this rank's place in the group, and rank 0
         gets the worker processes it started (engine/tp/processes.py; empty under
-        torchrun). q4_1_weights (quantization="gguf"): ModelSource.q4_1_weights(), kept
-        quantized."""
+        torchrun). weights: ModelSource.weights(), GGUF weights kept quantized among them
+        where quantization="gguf"."""
         self.config = config
         self.model_config = model_config
         self.block_size = config.block_size
@@ -77,7 +85,7 @@ class ModelRunner:
         try:
             if self.world_size > 1:
                 self._check_same_dtype()
-            self._load_model(weights, q4_1_weights)
+            self._load_model(weights)
             self._allocate_kv_cache()
             self._choose_executors()
         except BaseException as e:
@@ -124,12 +132,10 @@ class ModelRunner:
         torch.cuda.set_device(device)
         return device
 
-    def _load_model(self, weights: Iterable[tuple[str, torch.Tensor]],
-                    q4_1_weights: Q4_1Weights | None) -> None:
+    def _load_model(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]]) -> None:
         mc = self.model_config
         t = time.perf_counter()
-        self.model = build_model(mc, self.dtype, self.device, weights, q4_1_weights,
-                                 log=self.rank == 0)
+        self.model = build_model(mc, self.dtype, self.device, weights, log=self.rank == 0)
         self.attention_backend = resolve_backend(self.config.attention_backend, self.device.type,
                                                  self.block_size, self.dtype)
         backend = load_backend(self.attention_backend)
@@ -140,6 +146,18 @@ class ModelRunner:
             logger.info("loaded %s (%s, %d layers) in %.1f s; attention backend: %s",
                         mc.name or mc.architecture, str(self.dtype).removeprefix("torch."),
                         mc.num_hidden_layers, time.perf_counter() - t, self.attention_backend)
+            if self.device.type == "cpu" and logger.isEnabledFor(logging.INFO):
+                self._log_decode_bound()
+
+    def _log_decode_bound(self) -> None:
+        """Which kernels the linears take, the weight bytes a decode token reads, and the
+        single-stream speed that bounds at this machine's read bandwidth (measured once)."""
+        nbytes = decode_read_bytes(self.model)
+        gbs = _read_bandwidth_gbs()
+        logger.info("linears: %s", linear_kernels(self.model))
+        logger.info("a decode token reads %.0f MiB of weights: at %.0f GB/s (read bandwidth, "
+                    "measured) one stream is bound at %.0f tok/s", nbytes / 2**20, gbs,
+                    gbs * 1e9 / nbytes)
 
     def _allocate_kv_cache(self) -> None:
         self.kv_shape = KVCacheShape.of(self.config, self.model_config)

@@ -74,7 +74,7 @@ def allow_amx_attention(allowed: bool) -> None:
     _ext.allow_amx_attention(allowed)
 
 
-# ---- linears (small_linear.cpp, amx_linear.cpp, packed_linear.cpp, q4_linear.cpp) -----------
+# ---- linears (small_linear.cpp, amx_linear.cpp, packed_linear.cpp, gguf_linear.cpp) -----------
 
 def small_linear_bf16(x: Tensor, w: Tensor) -> Tensor:
     """x w^T for a few bf16 rows, streaming the plain bf16 weight once."""
@@ -102,9 +102,33 @@ def packed_gate_up_silu_bf16(x: Tensor, packed: Tensor) -> Tensor:
     return _ext.packed_gate_up_silu_bf16(x, packed)
 
 
-def q4_1_linear_bf16(x: Tensor, packed: Tensor) -> Tensor:
-    """x w^T for bf16 rows from a GGUF Q4_1 weight packed by layers/quantized.py pack_q4_1."""
-    return _ext.q4_1_linear_bf16(x, packed)
+def gguf_linear(x: Tensor, packed: Tensor, qtype: int, n: int, out: Tensor | None = None,
+                fp32_out: bool = False) -> Tensor:
+    """x w^T for bf16 rows from a GGUF weight [n, K] of ggml type qtype packed by
+    layers/gguf_packing.py pack_gguf (its exact values); writes the first n columns of out
+    (bf16, or fp32 with fp32_out) if given, and returns them."""
+    return _ext.gguf_linear(x, packed, qtype, n, out, fp32_out)
+
+
+def gguf_packed_nbytes(qtype: int, n: int, k: int) -> int:
+    """Bytes of pack_gguf's layout for a weight [n, k] of ggml type qtype."""
+    return _ext.gguf_packed_nbytes(qtype, n, k)
+
+
+def gguf_dequantize_rows(packed: Tensor, qtype: int, n: int, k: int, rows: Tensor) -> Tensor:
+    """The exact float32 weights of some output rows [len(rows), k], from the packed form."""
+    return _ext.gguf_dequantize_rows(packed, qtype, n, k, rows)
+
+
+def gguf_linear_isa() -> str:
+    """What gguf_linear runs on: 'avx512_bf16', 'avx2' or '' (neither built)."""
+    return _ext.gguf_linear_isa()
+
+
+def force_gguf_linear_isa(isa: str) -> None:
+    """Tests: 'avx2' makes gguf_linear take its AVX2 path even where AVX512-BF16 runs;
+    '' the best built."""
+    _ext.force_gguf_linear_isa(isa)
 
 
 # ---- elementwise (elementwise.cpp) ------------------------------------------------------------
@@ -131,13 +155,27 @@ def argmax_rows(x: Tensor) -> Tensor:
 
 # ---- the one-call decode stack (decode_stack.cpp) -----------------------------------------------
 
-def decode_layers(x: Tensor, positions: Tensor, weights: list[Tensor], k_caches: list[Tensor],
-                  v_caches: list[Tensor], cos: Tensor, sin: Tensor, slot_mapping: Tensor,
-                  block_tables: Tensor, q_starts: Tensor, q_lens: Tensor, k_lens: Tensor,
-                  num_heads: int, num_kv_heads: int, eps: float, scale: float, small_rows: int,
-                  amx_rows: int, prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
+def stack_linear(weight: Tensor, packed: Tensor, parts: list[Tensor], part_types: list[int],
+                 part_rows: list[int], bias: Tensor | None) -> object:
+    """A linear layer's description for decode_layers (ops.h StackLinear)."""
+    return _ext.StackLinear(weight, packed, parts, part_types, part_rows, bias)
+
+
+def stack_layer(input_norm: Tensor, post_norm: Tensor, q_norm: Tensor | None,
+                k_norm: Tensor | None, qkv: object, o: object, gate_up: object, down: object,
+                k_cache: Tensor, v_cache: Tensor) -> object:
+    """A decoder layer's description for decode_layers (ops.h StackLayer)."""
+    return _ext.StackLayer(input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down,
+                           k_cache, v_cache)
+
+
+def decode_layers(x: Tensor, positions: Tensor, layers: list[object], final_norm: Tensor,
+                  cos: Tensor, sin: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                  q_starts: Tensor, q_lens: Tensor, k_lens: Tensor, num_heads: int,
+                  num_kv_heads: int, eps: float, scale: float, small_rows: int, amx_rows: int,
+                  prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
     """A bf16 decode step's decoder layers and final norm in one call (see ops.h)."""
-    return _ext.decode_layers(x, positions, weights, k_caches, v_caches, cos, sin, slot_mapping,
+    return _ext.decode_layers(x, positions, layers, final_norm, cos, sin, slot_mapping,
                               block_tables, q_starts, q_lens, k_lens, num_heads, num_kv_heads,
                               eps, scale, small_rows, amx_rows, prefix_blocks, prefix_first)
 

@@ -37,7 +37,7 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def has_avx512_bf16() -> bool:
-    """The bf16 linear kernels (weight-streaming, packed, Q4_1) run: a build with
+    """The bf16 linear kernels (weight-streaming, packed) run: a build with
     AVX512-BF16 on a CPU that has it."""
     ext = build.load()
     return ext is not None and ext.has_small_linear_bf16()
@@ -45,9 +45,16 @@ def has_avx512_bf16() -> bool:
 
 @functools.cache
 def has_packed_linear() -> bool:
-    """pagedllm's packed bf16 linear and its Q4_1 linear are built."""
+    """pagedllm's packed bf16 linear is built."""
     ext = build.load()
     return ext is not None and ext.has_packed_linear_bf16()
+
+
+@functools.cache
+def gguf_linear_available() -> bool:
+    """The GGUF linear kernel (csrc/gguf_linear.cpp) runs: built with AVX-512 or AVX2."""
+    ext = build.load()
+    return ext is not None and bool(ext.gguf_linear_isa())
 
 
 @functools.cache

@@ -16,15 +16,26 @@ from pagedllm.layers.linear_methods import LinearMethod, TorchLinearMethod, sele
 class LinearLayer:
     """Mixin of the modules whose 2-D `weight` is multiplied through a LinearMethod
     (layers/linear_methods.py): F.linear until process_weights_after_loading picks the
-    method for the loaded weight, once; packed_weight is the method's packed form of it."""
+    method for the loaded weight, once; packed_weight is the method's packed form of it
+    (where it is the only form, `weight` is an empty tensor: see linear_methods.py)."""
 
     linear_method: LinearMethod = TorchLinearMethod()
     packed_weight: torch.Tensor | None = None
+    gguf_parts: list | None = None  # a GGUF weight kept quantized (layers/quantized.py)
     fp32_out = False  # the LM head: fp32 logits where the kernel has them
 
     def process_weights_after_loading(self) -> None:
+        """Pick the method and let it prepare the weight, once (a packing frees the plain
+        weight: a second pass would find nothing to pack)."""
+        if self.packed_weight is not None:
+            return
         self.linear_method = select_linear_method(self.weight, self.fp32_out)  # type: ignore[attr-defined]
         self.linear_method.process_weights_after_loading(self)  # type: ignore[arg-type]
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of the weight, from whichever form the method holds (for an embedding
+        tied to this layer)."""
+        return self.linear_method.embedding(self, ids)  # type: ignore[arg-type]
 
 
 def _param(*shape: int) -> nn.Parameter:

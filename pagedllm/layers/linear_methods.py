@@ -1,9 +1,14 @@
 """How a linear layer computes x w^T: one method object per weight format and kernel, chosen
 once after the weights are loaded (in the spirit of vLLM's QuantizeMethodBase).
 
-A method may keep a second form of the weight in `layer.packed_weight` (process_weights_
-after_loading) and then computes from it (apply). Adding a format (GGUF Q8_0, Q4_K, ...)
-is one new class here plus the line in select_linear_method or in the loader that picks it.
+A method may keep another form of the weight in `layer.packed_weight` (process_weights_
+after_loading) and then computes from it (apply). A layer holds its weight once: where the
+packed form is all its kernels read, the plain `layer.weight` is freed (an empty tensor of
+its dtype; tied embeddings share that Parameter, so the embedding is freed with it), and the
+rare paths that need the plain matrix (an input not bf16 or not on the CPU) get it back from
+`weight(layer)`, and an embedding tied to the layer takes its rows from `embedding(layer,
+ids)`. Adding a format (GGUF Q8_0, Q4_K, ...) is one new class here plus the line in
+select_linear_method or in the loader that picks it.
 
 - TorchLinearMethod: F.linear. fp32 (so fp32 outputs stay HF transformers' bit for bit),
   CUDA, and layers not yet loaded.
@@ -14,7 +19,10 @@ is one new class here plus the line in select_linear_method or in the loader tha
 - OneDNNLinearMethod: other bf16 CPU linears (AMX CPUs, shapes the packed kernel does not
   take): the weight-streaming kernel for few rows, the AMX kernel up to 32 rows, oneDNN on
   its prepacked weight beyond (torch's bf16 matmul reorders the weight on every call: with
-  the packed copy a 64-row decode step takes 18 instead of 32 ms of linears).
+  the packed copy a 64-row decode step takes 18 instead of 32 ms of linears). Where the
+  CPU has AVX512-BF16 (AMX CPUs), the first two kernels read the plain weight, so it stays
+  beside oneDNN's packing: such linears hold their weight twice (see keeps_two_forms).
+  Without AVX512-BF16 only oneDNN's packing is read and the plain weight is freed.
 - GGUFQ4_1LinearMethod (layers/quantized.py): a GGUF Q4_1 weight kept quantized.
 """
 from __future__ import annotations
@@ -32,6 +40,7 @@ class LinearMethod:
     # where the weight's packed form is pagedllm's own plain tensor (a oneDNN packing is
     # opaque memory no tensor of ours can hold)
     owns_packing = False
+    kernel = "torch"  # what computes it, for the load log
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Prepare the loaded weight (pack it); by default nothing."""
@@ -45,6 +54,25 @@ class LinearMethod:
         """silu(gate) * up of a merged [gate; up] projection (no bias)."""
         return silu_and_mul.forward(self.apply(layer, x))
 
+    def weight(self, layer: nn.Module) -> torch.Tensor:
+        """The plain [N, K] weight, rebuilt from the packed form where it was freed (a
+        temporary as large as the weight: for rare paths only)."""
+        return layer.weight
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of the weight: the lookup of an embedding tied to this layer."""
+        return F.embedding(ids, self.weight(layer))
+
+
+def _free_weight(layer: nn.Module) -> None:
+    """Drop the plain weight's memory, the Parameter (and whatever shares it) kept: an empty
+    tensor of its dtype, so that a use of it fails loudly instead of reading stale data."""
+    layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+
+
+def _is_freed(layer: nn.Module) -> bool:
+    return layer.weight.numel() == 0 and layer.packed_weight is not None
+
 
 class TorchLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -56,11 +84,20 @@ def _takes_cpu_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu
 
 
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the 2-D [rows, K] the kernels take (a view where strides allow)."""
+    return x.reshape(-1, x.shape[-1])
+
+
 class PackedBf16LinearMethod(LinearMethod):
     """fp32_out (the LM head): the kernel's fp32 sums, unrounded. Rounded to bf16 (a step of
-    1/16 at 16), near-equal top logits would tie and the first index win."""
+    1/16 at 16), near-equal top logits would tie and the first index win.
+
+    The packing [N/16, K/2, 16, 2] holds every element of the weight once, so it is the
+    layer's only form: the plain weight is freed, and rebuilt or indexed from the packing."""
 
     owns_packing = True
+    kernel = "pagedllm packed bf16"
 
     def __init__(self, fp32_out: bool = False) -> None:
         self.fp32_out = fp32_out
@@ -72,11 +109,24 @@ class PackedBf16LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.packed_weight = ops.pack_linear_weight_bf16(layer.weight.detach())
+        _free_weight(layer)
+
+    def weight(self, layer: nn.Module) -> torch.Tensor:
+        packed = layer.packed_weight  # [N/16, K/2, 16, 2]: w[16a + c, 2b + d] at [a, b, c, d]
+        return packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * 16, packed.shape[1] * 2)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        packed = layer.packed_weight
+        flat = ids.reshape(-1)
+        rows = packed[flat // 16, :, flat % 16]  # [ids, K/2, 2]
+        return rows.reshape(*ids.shape, packed.shape[1] * 2)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
-        if not _takes_cpu_bf16(x):
-            return F.linear(x, layer.weight, bias)
+        if x.dtype != torch.bfloat16 or not x.is_cpu:
+            return F.linear(x, self.weight(layer), bias)
+        if x.dim() != 2:
+            return self.apply(layer, _as_rows(x), bias).view(*x.shape[:-1], -1)
         y = ops.packed_linear_bf16(x, layer.packed_weight, self.fp32_out)
         return y if bias is None else y + bias
 
@@ -90,15 +140,24 @@ class PackedBf16LinearMethod(LinearMethod):
 
 
 class OneDNNLinearMethod(LinearMethod):
+    kernel = "oneDNN bf16 (few rows: pagedllm's streaming/AMX kernels)"
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.packed_weight = ops.onednn_pack_linear_weight(layer.weight)
+        if layer.packed_weight is not None and not keeps_two_forms():
+            _free_weight(layer)
+
+    def weight(self, layer: nn.Module) -> torch.Tensor:
+        return layer.packed_weight.to_dense() if _is_freed(layer) else layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
-        if not _takes_cpu_bf16(x):
-            return F.linear(x, layer.weight, bias)
+        if x.dtype != torch.bfloat16 or not x.is_cpu:
+            return F.linear(x, self.weight(layer), bias)
+        if x.dim() != 2:
+            return self.apply(layer, _as_rows(x), bias).view(*x.shape[:-1], -1)
         rows, weight = x.shape[0], layer.weight
-        if probes.has_avx512_bf16() and weight.is_contiguous():
+        if probes.has_avx512_bf16() and weight.is_contiguous() and weight.numel():
             y = None
             if rows <= probes.small_linear_rows():
                 y = ops.small_linear_bf16(x if x.stride(1) == 1 else x.contiguous(), weight)
@@ -110,6 +169,21 @@ class OneDNNLinearMethod(LinearMethod):
         if layer.packed_weight is not None:
             return ops.onednn_linear(x, layer.packed_weight, bias)
         return F.linear(x, weight, bias)
+
+
+def keeps_two_forms() -> bool:
+    """Whether a oneDNN-packed linear keeps its plain weight too: on CPUs with AVX512-BF16,
+    whose weight-streaming and AMX kernels read it for few rows (oneDNN's packing is opaque;
+    no kernel of ours reads it). Such linears hold twice their bf16 bytes."""
+    return probes.has_avx512_bf16()
+
+
+def linear_weight_forms(dtype: torch.dtype, device_type: str) -> int:
+    """How many forms a model's linears will hold their weights in (for the memory check
+    before loading): 2 for bf16 on AMX CPUs (every linear takes the oneDNN method and keeps
+    its plain weight), else 1."""
+    amx = device_type == "cpu" and dtype == torch.bfloat16 and probes.amx_linear_rows() > 0
+    return 2 if amx and keeps_two_forms() else 1
 
 
 def select_linear_method(weight: torch.Tensor, fp32_out: bool = False) -> LinearMethod:

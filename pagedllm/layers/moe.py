@@ -23,6 +23,7 @@ from torch import nn
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
 from pagedllm.kernels import ops, probes
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.quantized import GGUFRows, pack_rows, parts_linear
 
 ExpertLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -70,7 +71,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 class FusedMoE(nn.Module):
     """The routed experts of one MoE block. forward takes the block's input rows and the
-    router's logits for them (the router is a replicated linear the model holds)."""
+    router's logits for them (the router is a replicated linear the model holds).
+
+    A GGUF's experts kept quantized (quantization="gguf") are gathered per expert as they
+    load (take_gguf) and packed after (finish_gguf): gguf_experts then holds each expert's
+    (gate/up parts, down parts) for layers/quantized.py parts_linear, in place of w13/w2."""
+
+    gguf_experts: list | None = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, renormalize: bool,
@@ -95,6 +102,7 @@ class FusedMoE(nn.Module):
         self.w2.weight_loader = self.weight_loader
         self.act_fn = SiluAndMul()
         self.linear: ExpertLinear = F.linear
+        self.gguf_gathered: dict[int, dict[str, object]] = {}  # expert -> shard -> GGUFWeight
 
     def process_weights_after_loading(self) -> None:
         self.linear = select_expert_linear(self.w13)
@@ -126,6 +134,51 @@ class FusedMoE(nn.Module):
         else:
             offset = 0 if shard == "gate" else i
             _copy(dst.narrow(-2, offset, i), loaded.narrow(-2, rank * i, i), f"{shard} projection")
+
+    def take_gguf(self, weight, expert: int | None, shard: str) -> bool:
+        """Keep one expert's GGUF projection (a GGUFWeight) for finish_gguf; False for a
+        stacked tensor of every expert (the loader splits GGUF's per expert)."""
+        if expert is None or shard not in ("gate", "up", "down"):
+            return False
+        self.gguf_gathered.setdefault(expert, {})[shard] = weight
+        return True
+
+    def finish_gguf(self) -> bool:
+        """After loading: pack every expert's gathered projections (gate and up as one
+        weight where their types agree), freeing w13 and w2 (True); where some expert's
+        cannot stay quantized, dequantize them all into w13 and w2 instead (False)."""
+        gathered, self.gguf_gathered = self.gguf_gathered, {}
+        i, h = self.intermediate_size, self.w13.shape[2]
+        packed = []
+        for expert in range(self.num_experts):
+            shards = gathered.get(expert, {})
+            w13, w2 = GGUFRows(2 * i, h), GGUFRows(h, i)
+            for shard, rows in shards.items():
+                target = w2 if shard == "down" else w13
+                target.add(self.weight_loader_rows, rows, (shard,))
+            parts = (pack_rows(w13), pack_rows(w2)) if len(shards) == 3 else (None, None)
+            if None in parts:
+                break
+            packed.append(parts)
+        if len(packed) < self.num_experts:
+            for expert, shards in gathered.items():
+                for shard, rows in shards.items():
+                    param = self.w2 if shard == "down" else self.w13
+                    self.weight_loader(param, rows.dequantize().to(param.dtype), expert, shard)
+            return False
+        self.gguf_experts = packed
+        self.w13.data = torch.empty(0, dtype=self.w13.dtype)
+        self.w2.data = torch.empty(0, dtype=self.w2.dtype)
+        return True
+
+    @staticmethod
+    def weight_loader_rows(buffer: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
+        """One expert's gate, up or down rows into place in its [gate; up] or down buffer
+        (one rank)."""
+        if shard == "up":
+            buffer.narrow(0, buffer.shape[0] // 2, loaded.shape[0]).copy_(loaded)
+        else:
+            buffer.narrow(0, 0, loaded.shape[0]).copy_(loaded)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The experts' weighted sum for each row of x (before loading: grouped)."""
@@ -173,5 +226,8 @@ class FusedMoE(nn.Module):
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's MLP, down(silu(gate(x)) * up(x)), over the rows routed to it."""
+        if self.gguf_experts is not None:
+            w13, w2 = self.gguf_experts[expert]
+            return parts_linear(self.act_fn.forward(parts_linear(x, w13)), w2)
         h = self.act_fn.forward(self.linear(x, self.w13[expert]))
         return self.linear(h, self.w2[expert])

@@ -1,142 +1,231 @@
-"""Linear weights kept as the GGUF stores them (quantization="gguf"): Q4_1, for the CPU
-kernel csrc/q4_linear.cpp.
+"""GGUF weights kept as the file stores them (quantization="gguf"), for the CPU kernel
+csrc/gguf_linear.cpp: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K, which cover the Q4_0, Q4_K_M,
+Q5_K_M, Q6_K and Q8_0 files users download.
 
-A Q4_1 block is 32 input features of one output, w = d * q + m with q in 0..15 and d, m
-float16. The kernel computes with these exact values (what HF transformers and llama.cpp
-dequantize), reading 5 bits a weight where bf16 weights take 16: one decode row streams
-~66 MB of SmolLM2-135M's layers instead of ~212 MB. The activations stay bf16.
+The kernel computes with the weights' exact values (those HF transformers and llama.cpp
+dequantize) from bf16 activations, reading 4.5-8.5 bits a weight where bf16 weights take
+16. Each weight is held once: its packed form (layers/gguf_packing.py, at most ~1.1x the
+file's bytes) replaces the bf16 weight the layer was built with, which is never filled.
+
+A merged linear (q/k/v, gate/up) takes its checkpoint tensors one by one through its own
+weight_loader, into one byte matrix per type. Where they all have one type they are packed
+as one weight; a Q4_K_M file stores some layers' v projection as Q6_K beside Q4_K q and k,
+and then each run of rows of one type is packed on its own and computed into its columns
+of the output. A linear with a part the kernel does not take is dequantized whole.
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from dataclasses import dataclass
 
+import gguf
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.kernels import ops, probes
-from pagedllm.layers.linear import LinearBase, LinearLayer
-from pagedllm.layers.linear_methods import LinearMethod, PackedBf16LinearMethod
+from pagedllm.kernels import ops
+from pagedllm.layers.gguf_packing import can_pack, dequantize_packed_rows, pack_gguf
+from pagedllm.layers.linear_methods import LinearMethod
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 32          # input features per Q4_1 block
-PANEL_GROUPS = 4    # output groups of 16 side by side in the packed layout
-BLOCK_BYTES = 320   # one group's block: 256 bytes of quants, 16 d, 16 m (float16)
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A 2-D quantized weight [rows, cols] in HF row order: `data` is uint8 [rows, bytes per
+    row], each row its cols / block_size blocks as in the file. It splits by rows the way a
+    tensor does (split, chunk, narrow on dim 0), so model code that cuts a fused checkpoint
+    tensor into its parts (Phi-3's qkv) cuts it as well; `dequantize` gives the weight."""
+
+    qtype: GGMLQuantizationType
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.cols
+
+    def _rows(self, start: int, length: int) -> GGUFWeight:
+        return GGUFWeight(self.qtype, self.data[start:start + length], self.cols)
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        if dim != 0:
+            raise ValueError("a GGUF weight can only be cut into rows (its blocks run "
+                             "along a row)")
+        return self._rows(start, length)
+
+    def split(self, sizes: list[int]) -> list[GGUFWeight]:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self._rows(s, n) for s, n in zip(starts, sizes)]
+
+    def chunk(self, chunks: int) -> list[GGUFWeight]:
+        return self.split([self.data.shape[0] // chunks] * chunks)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight's values, float32 [rows, cols]."""
+        # (the gguf package's reference dequantization: this is the rare path of a weight
+        # that cannot stay quantized; the loader's faster one imports the layers)
+        values = gguf.quants.dequantize(self.data.numpy(), self.qtype)
+        return torch.from_numpy(values).reshape(self.shape)
 
 
-class GGUFQ4_1LinearMethod(LinearMethod):
-    """x w^T from the packed Q4_1 weight (layer.packed_weight, set by attach_q4_1) at every
-    row count; the layer's bf16 weight is freed."""
+@dataclass
+class PackedPart:
+    """Output rows [start, stop) of a weight, one GGUF type, packed for the kernel."""
+
+    qtype: GGMLQuantizationType
+    start: int
+    stop: int
+    cols: int
+    packed: torch.Tensor
+
+
+class GGUFLinearMethod(LinearMethod):
+    """x w^T from the layer's packed parts (layer.gguf_parts): one kernel call, or one per
+    part each writing its columns of the output."""
 
     owns_packing = True
 
+    def __init__(self, fp32_out: bool = False) -> None:
+        self.fp32_out = fp32_out
+        self.kernel = f"pagedllm gguf_linear ({ops.gguf_linear_isa()})"
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
-        y = ops.q4_1_linear_bf16(x, layer.packed_weight)
-        return y if bias is None else y + bias
+        shape = x.shape
+        y = parts_linear(x.reshape(-1, shape[-1]), layer.gguf_parts,
+                         self.fp32_out or x.dtype == torch.float32)  # (an fp32 model's sums)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], y.shape[-1])
 
 
-def is_q4_1(packed: torch.Tensor | None) -> bool:
-    """Whether a packed weight is a GGUF Q4_1 weight (pack_q4_1's uint8 layout)."""
-    return packed is not None and packed.dtype == torch.uint8
+def parts_linear(x: torch.Tensor, parts: list[PackedPart], fp32_out: bool = False
+                 ) -> torch.Tensor:
+    """x [M, K] w^T from a weight's packed parts: one kernel call, or one per part each
+    writing its columns of the output."""
+    x = x.to(torch.bfloat16)
+    if len(parts) == 1:
+        p = parts[0]
+        return ops.gguf_linear(x, p.packed, int(p.qtype), p.stop, fp32_out=fp32_out)
+    y = torch.empty(x.shape[0], parts[-1].stop,
+                    dtype=torch.float32 if fp32_out else torch.bfloat16)
+    for p in parts:
+        ops.gguf_linear(x, p.packed, int(p.qtype), p.stop - p.start, out=y[:, p.start:p.stop],
+                        fp32_out=fp32_out)
+    return y
 
 
-def can_pack_q4_1(out_features: int, in_features: int) -> bool:
-    return out_features % (16 * PANEL_GROUPS) == 0 and in_features % BLOCK == 0
+class GGUFRows:
+    """A linear's checkpoint tensors of GGUF types gathered into place by its weight_loader:
+    for each type a byte matrix [out_features, bytes per row], and which rows it filled."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        self.rows: dict[GGMLQuantizationType, torch.Tensor] = {}
+        self.filled: dict[GGMLQuantizationType, torch.Tensor] = {}
+
+    def add(self, weight_loader, weight: GGUFWeight, shard: tuple) -> None:
+        """Copy the weight's rows where the layer's weight_loader puts this shard's."""
+        if weight.qtype not in self.rows:
+            self.rows[weight.qtype] = torch.zeros(self.out_features, weight.data.shape[1],
+                                                  dtype=torch.uint8)
+            self.filled[weight.qtype] = torch.zeros(self.out_features, 1, dtype=torch.bool)
+        weight_loader(self.rows[weight.qtype], weight.data, *shard)
+        weight_loader(self.filled[weight.qtype],
+                      torch.ones(weight.data.shape[0], 1, dtype=torch.bool), *shard)
+
+    def runs(self) -> list[tuple[GGMLQuantizationType, int, int]] | None:
+        """(type, first row, end row) of each run of rows of one type, in order; None where
+        some rows came from no GGUF weight kept quantized."""
+        owner = torch.full((self.out_features,), -1, dtype=torch.int64)
+        types = list(self.rows)
+        for i, t in enumerate(types):
+            owner[self.filled[t][:, 0]] = i
+        if (owner < 0).any():
+            return None
+        edges = [0, *((owner[1:] != owner[:-1]).nonzero()[:, 0] + 1).tolist(), self.out_features]
+        return [(types[int(owner[a])], a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+    def dequantize_into(self, weight: torch.Tensor) -> None:
+        """Write the gathered rows' values into the bf16 weight (rows of other formats were
+        loaded into it already)."""
+        for t, rows in self.rows.items():
+            mask = self.filled[t][:, 0]
+            weight.data[mask] = GGUFWeight(t, rows[mask], self.in_features).dequantize() \
+                .to(weight.dtype)
 
 
-def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The quants q (uint8 [N, K] in 0..15) and each block's d and m (float16 [N, K/32]) in
-    the kernel's layout, uint8 [N/64, K/32, 4, 320]: for each panel of 4 groups of 16
-    outputs, block by block, each group's 256 bytes of quants, then its 16 d, then its 16 m.
-
-    The quants of a group's block are 4 runs of 32 16-bit words. Run u's word 2o + e holds,
-    in its 4 nibbles s = 0..3, output o's element e of the input pair 4u + s: one 64-byte
-    load gives the kernel 4 vectors of 16 pairs, in the lane order of a bf16 dot product."""
-    n, k = q.shape
-    if not can_pack_q4_1(n, k) or d.shape != (n, k // BLOCK) or m.shape != d.shape:
-        raise ValueError(f"cannot pack a Q4_1 weight [{n}, {k}] with scales {list(d.shape)} "
-                         f"and minimums {list(m.shape)}: need N a multiple of 64, K of 32")
-    groups, blocks = n // 16, k // BLOCK
-    # [group, output o, block, run u, nibble s, element e] -> [group, block, u, o, e, s]
-    v = q.reshape(groups, 16, blocks, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).to(torch.int32)
-    words = v[..., 0] | (v[..., 1] << 4) | (v[..., 2] << 8) | (v[..., 3] << 12)
-    quants = words.to(torch.int16).contiguous().view(torch.uint8).reshape(groups, blocks, 256)
-
-    def per_block(s: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> [group, block, 32 bytes]
-        return (s.to(torch.float16).reshape(groups, 16, blocks).permute(0, 2, 1).contiguous()
-                .view(torch.uint8).reshape(groups, blocks, 32))
-
-    per_group = torch.cat([quants, per_block(d), per_block(m)], 2)
-    return per_group.reshape(groups // PANEL_GROUPS, PANEL_GROUPS, blocks, BLOCK_BYTES) \
-        .transpose(1, 2).contiguous()
+def take_gguf(module: nn.Module, param: str, weight: GGUFWeight, shard: tuple) -> bool:
+    """The loader's step for a GGUF weight to keep quantized, in place of the parameter's
+    weight_loader copying a dequantized tensor into it: a linear's or an embedding's weight
+    (they declare gguf_parts), or an expert's projection (layers/moe.py FusedMoE), on one
+    rank. False where the module cannot hold it (the caller dequantizes it)."""
+    if getattr(module, "tp_size", 1) != 1:
+        return False
+    if hasattr(type(module), "gguf_parts") and param == "weight":
+        if getattr(module, "gguf_rows", None) is None:
+            out_features, in_features = module.weight.shape
+            module.gguf_rows = GGUFRows(out_features, in_features)
+        module.gguf_rows.add(module.weight_loader, weight, shard)
+        return True
+    if hasattr(type(module), "gguf_experts"):
+        return module.take_gguf(weight, *shard)
+    return False
 
 
-def attach_q4_1(model: nn.Module,
-                weights: Iterable[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
-                ) -> list[LinearBase]:
-    """Give each linear whose checkpoint weights are all Q4_1 (merged ones: every shard) the
-    packed Q4_1 weight as its packed_weight and the Q4_1 method; the linears changed.
-
-    weights: (HF name, (q, d, m)) from ModelSource.q4_1_weights(), copied into place by the
-    linear's own weight_loader (the same rows as its bf16 weight)."""
-    mapping = getattr(model, "packed_modules_mapping", {})
-    modules = dict(model.named_modules())
-    parts: dict[str, list] = {}  # module name -> [module, q, d, m, rows filled]
-    for name, (q, d, m) in weights:
-        target, shard = name.removesuffix(".weight"), ()
-        for ckpt, (merged, shard_id) in mapping.items():
-            if f".{ckpt}." in name:
-                target, shard = target.replace(ckpt, merged), (shard_id,)
-                break
-        module = modules.get(target)
-        if not isinstance(module, LinearBase):
-            continue
-        if target not in parts:
-            n, k = module.weight.shape
-            parts[target] = [module, torch.empty(n, k, dtype=torch.uint8),
-                             torch.empty(n, k // BLOCK, dtype=torch.float16),
-                             torch.empty(n, k // BLOCK, dtype=torch.float16), 0]
-        entry = parts[target]
-        for buffer, loaded in zip(entry[1:4], (q, d, m)):
-            module.weight_loader(buffer, loaded, *shard)
-        entry[4] += q.shape[0]
-    changed = []
-    for module, q, d, m, rows in parts.values():
-        n, k = module.weight.shape
-        if rows == n and module.tp_size == 1 and can_pack_q4_1(n, k):
-            module.packed_weight = pack_q4_1(q, d, m)
-            module.linear_method = GGUFQ4_1LinearMethod()
-            changed.append(module)
-    return changed
+def pack_rows(gathered: GGUFRows) -> list[PackedPart] | None:
+    """The gathered rows packed, one part per run of rows of one type; None where some rows
+    cannot stay quantized."""
+    runs = gathered.runs()
+    if runs is None or not all(can_pack(t, gathered.in_features) for t, _, _ in runs):
+        return None
+    cols = gathered.in_features
+    return [PackedPart(t, start, stop, cols,
+                       pack_gguf(t, gathered.rows[t][start:stop], stop - start, cols))
+            for t, start, stop in runs]
 
 
-def keep_q4_1(model: nn.Module,
-              weights: Iterable[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
-              ) -> None:
-    """quantization="gguf": the linears whose GGUF weights are Q4_1 compute from them, kept
-    quantized, and their bf16 weights and packings are freed; the bf16 LM head takes
-    pagedllm's packed kernel everywhere (with AMX it was packed for oneDNN), for its fp32
-    logits and the same kernel as on CPUs without AMX."""
-    if not probes.has_packed_linear():
-        raise ValueError("quantization=gguf needs the CPU kernels built with AVX512-BF16 "
-                         "(this CPU or build has none)")
-    before = {m: m.packed_weight for m in model.modules() if isinstance(m, LinearBase)}
-    changed = attach_q4_1(model, weights)
-    if not changed:
-        raise ValueError("quantization=gguf: the model has no Q4_1 linear weights to keep "
-                         "(only GGUF Q4_1 is kept quantized; other types are dequantized)")
-    added = sum(m.packed_weight.nbytes for m in changed)
-    freed = sum(m.weight.nbytes * (2 if before[m] is not None else 1) for m in changed)
-    for m in changed:  # an empty tensor of its dtype: the Q4_1 method never reads it
-        m.weight.data = torch.empty(0, dtype=m.weight.dtype)
-    head = getattr(model, "lm_head", None)
-    if (isinstance(head, LinearLayer) and head.weight.dtype == torch.bfloat16
-            and not isinstance(head.linear_method, PackedBf16LinearMethod)
-            and PackedBf16LinearMethod.can_pack(head.weight)):
-        head.linear_method = PackedBf16LinearMethod(fp32_out=True)
-        head.linear_method.process_weights_after_loading(head)
-    logger.info("quantization gguf: %d of %d linears keep their Q4_1 weights (%.0f MiB, "
-                "%.0f MiB of bf16 copies freed)", len(changed), len(before), added / 2**20,
-                freed / 2**20)
+def finish_gguf(layer: nn.Module, fp32_out: bool = False) -> bool:
+    """After loading: pack the layer's gathered GGUF rows and take the GGUF method (True),
+    or, where some rows cannot stay quantized, dequantize them into the layer's weight for
+    the bf16 methods (False)."""
+    gathered: GGUFRows = layer.gguf_rows
+    layer.gguf_rows = None
+    parts = pack_rows(gathered)
+    if parts is None:
+        gathered.dequantize_into(layer.weight)
+        return False
+    layer.gguf_parts = parts
+    layer.packed_weight = parts[0].packed if len(parts) == 1 else None
+    layer.linear_method = GGUFLinearMethod(fp32_out)
+    layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)  # never filled: no memory
+    return True
+
+
+def embedding_rows(layer: nn.Module, input_ids: torch.Tensor, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """The embeddings of the tokens from a GGUF embedding kept quantized (its one part)."""
+    (part,) = layer.gguf_parts
+    rows = dequantize_packed_rows(part.packed, part.qtype, part.stop, part.cols,
+                                  input_ids.reshape(-1))
+    return rows.to(dtype).reshape(*input_ids.shape, part.cols)
+
+
+def model_parts(model: nn.Module) -> list[PackedPart]:
+    """Every GGUF part the model's layers and experts hold (a tied embedding's once)."""
+    seen, out = set(), []
+    for m in model.modules():
+        parts = list(getattr(m, "gguf_parts", None) or ())
+        for w13, w2 in getattr(m, "gguf_experts", None) or ():
+            parts += w13 + w2
+        for p in parts:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of every GGUF part the model holds."""
+    return sum(p.packed.nbytes for p in model_parts(model))

@@ -278,20 +278,6 @@ def dequantize(
     return dequantizer(blocks).reshape(shape)
 
 
-def q4_1_parts(data: np.ndarray | bytes | bytearray | memoryview, shape: Sequence[int],
-               name: str = "<unnamed>") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_1 tensor kept quantized: its quants q (uint8 in 0..15, ``shape``) and each block's
-    scale d and minimum m (float16, ``shape`` with the last dimension / 32), w = d q + m."""
-    qtype = GGMLQuantizationType.Q4_1
-    shape = tuple(int(dim) for dim in shape)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = _as_blocks(_raw_bytes(data), shape, block_size, type_size, qtype, name)
-    scales = (*shape[:-1], shape[-1] // block_size)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(scales)
-    m = blocks[:, 2:4].contiguous().view(torch.float16).reshape(scales)
-    return _nibbles(blocks[:, 4:], 16).reshape(shape), d, m
-
-
 def _as_blocks(raw: torch.Tensor, shape: tuple[int, ...], block_size: int, type_size: int,
                qtype: GGMLQuantizationType, name: str) -> torch.Tensor:
     """Check the byte count against ``shape`` and view the bytes as [n_blocks, type_size]."""
@@ -306,3 +292,14 @@ def _as_blocks(raw: torch.Tensor, shape: tuple[int, ...], block_size: int, type_
             f"tensor {name!r} ({qtype.name}, shape {list(shape)}) should hold {expected} bytes but "
             f"has {raw.numel()}: the file is truncated or corrupt")
     return raw.view(-1, type_size)
+
+
+def quantized_rows(data: np.ndarray | bytes | bytearray | memoryview,
+                   qtype: GGMLQuantizationType, shape: Sequence[int],
+                   name: str = "<unnamed>") -> torch.Tensor:
+    """A 2-D quantized tensor's bytes, checked against ``shape`` ([rows, cols]), as uint8
+    [rows, bytes per row]: row r's blocks in order (an owned copy)."""
+    shape = tuple(int(dim) for dim in shape)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = _as_blocks(_raw_bytes(data), shape, block_size, type_size, qtype, name)
+    return blocks.reshape(shape[0], shape[1] // block_size * type_size)

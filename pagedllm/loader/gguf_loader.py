@@ -26,11 +26,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from pagedllm.models.config import ModelConfig, pattern_layer_types
 from pagedllm.models.registry import GGUF_ARCHITECTURES, SLIDING_WINDOW_PATTERNS
 
-from .dequant import dequantize, q4_1_parts
+from .dequant import dequantize, quantized_rows
 from .errors import ModelLoadError, naming_errors
 from .gguf_header import scan_gguf
 from .gguf_metadata import read_metadata
 from .gguf_tokenizer import tokenizer_from_gguf
+from pagedllm.layers.quantized import GGUFWeight
 from .source import ModelSource
 from .validate import check_weight_shapes
 
@@ -116,14 +117,15 @@ def load_gguf(path: str) -> ModelSource:
     check_weight_shapes(shapes, config, path)
     weight_names = list(shapes)
 
-    def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        return _iter_weights(reader, names, config, dtype, path)
+    def stream(dtype: torch.dtype, keep: frozenset[GGMLQuantizationType]
+               ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+        return _iter_weights(reader, names, config, dtype, path, keep)
 
-    def q4_1_stream() -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-        return _iter_q4_1(reader, names, config, path)
-
+    sizes = [(GGMLQuantizationType(t.tensor_type), int(t.n_elements), int(t.n_bytes))
+             for t in reader.tensors if names[t.name] is not None]
     return ModelSource(path=path, format="gguf", config=config, tokenizer=tokenizer,
-                       weight_names=weight_names, _stream=stream, _q4_1_stream=q4_1_stream)
+                       weight_names=weight_names, _stream=stream,
+                       tensor_types=frozenset(t for t, _, _ in sizes), tensor_sizes=sizes)
 
 
 def open_gguf(path: str) -> GGUFReader:
@@ -515,32 +517,32 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
 
 
 def _iter_weights(reader: GGUFReader, names: dict[str, str | None], config: ModelConfig,
-                  dtype: torch.dtype, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+                  dtype: torch.dtype, path: str, keep: frozenset[GGMLQuantizationType]
+                  ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     for tensor in reader.tensors:
         hf_name = names[tensor.name]
         if hf_name is None:
             continue
+        shape = _hf_shape(tensor)
         with naming_errors(path, "cannot read weights"):
-            weight = dequantize(tensor.data, tensor.tensor_type, _hf_shape(tensor), tensor.name)
+            if tensor.tensor_type in keep and len(shape) == (3 if _PER_EXPERT in hf_name else 2):
+                rows = quantized_rows(tensor.data, tensor.tensor_type,
+                                      (math.prod(shape[:-1]), shape[-1]), tensor.name)
+                if _PER_EXPERT in hf_name:  # stacked experts [E, rows, cols]: one each
+                    for expert, part in enumerate(rows.chunk(shape[0])):
+                        yield (hf_name.replace(_PER_EXPERT, str(expert)),
+                               GGUFWeight(tensor.tensor_type, part, shape[-1]))
+                else:
+                    yield hf_name, GGUFWeight(tensor.tensor_type,
+                                              _to_hf_layout(rows, tensor.name, config), shape[1])
+                continue
+            weight = dequantize(tensor.data, tensor.tensor_type, shape, tensor.name)
             weight = _to_hf_layout(weight, tensor.name, config).to(dtype)
         if _PER_EXPERT in hf_name:
             for expert, part in enumerate(weight):
                 yield hf_name.replace(_PER_EXPERT, str(expert)), part
         else:
             yield hf_name, weight
-
-
-def _iter_q4_1(reader: GGUFReader, names: dict[str, str | None], config: ModelConfig,
-               path: str) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    for tensor in reader.tensors:
-        hf_name = names[tensor.name]
-        # (stacked experts are dequantized: only linear layers keep Q4_1 weights)
-        if (hf_name is None or tensor.tensor_type != GGMLQuantizationType.Q4_1
-                or _PER_EXPERT in hf_name):
-            continue
-        with naming_errors(path, "cannot read weights"):
-            parts = q4_1_parts(tensor.data, _hf_shape(tensor), tensor.name)
-            yield hf_name, tuple(_to_hf_layout(part, tensor.name, config) for part in parts)
 
 
 def _to_hf_layout(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:

@@ -46,7 +46,7 @@ def load_hf_dir(path: str) -> ModelSource:
         tokenizer = tokenizer_from_hf_dir(path)
     _share_eos_ids(config, tokenizer)
 
-    def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(dtype: torch.dtype, keep: frozenset) -> Iterator[tuple[str, torch.Tensor]]:
         return _iter_weights(files, dtype)
 
     return ModelSource(path=path, format="hf", config=config, tokenizer=tokenizer,

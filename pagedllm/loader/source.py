@@ -5,13 +5,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.models.config import ModelConfig
 from pagedllm.tokenizer import Tokenizer
 
-WeightStream = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
-# (HF name, (quants, scales, minimums)) of each weight a GGUF stores as Q4_1
-Q4_1Stream = Callable[[], Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]
+from pagedllm.layers.quantized import GGUFWeight
+
+# (dtype, the GGUF types to keep quantized) -> (HF name, tensor or GGUFWeight) pairs
+WeightStream = Callable[[torch.dtype, frozenset[GGMLQuantizationType]],
+                        Iterator[tuple[str, torch.Tensor | GGUFWeight]]]
 
 
 @dataclass
@@ -24,6 +27,7 @@ class ModelSource:
         config: the model's hyper-parameters.
         tokenizer: its tokenizer (chat template and stop tokens included).
         weight_names: the HF names ``weights()`` will yield, in order.
+        tensor_types: a GGUF's tensor types (ggml types; empty for other formats).
     """
 
     path: str
@@ -32,17 +36,22 @@ class ModelSource:
     tokenizer: Tokenizer
     weight_names: list[str]
     _stream: WeightStream = field(repr=False)
-    _q4_1_stream: Q4_1Stream | None = field(default=None, repr=False)
+    tensor_types: frozenset[GGMLQuantizationType] = frozenset()
+    # a GGUF's (type, elements, bytes) of each weight tensor, for the memory check
+    tensor_sizes: list[tuple[GGMLQuantizationType, int, int]] = field(default_factory=list)
 
-    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` pairs one at a time, dequantized and cast to ``dtype``.
+    def kept_size(self, keep: frozenset[GGMLQuantizationType]) -> tuple[int, int]:
+        """(elements, file bytes) of the weights of the types in keep."""
+        sizes = [(n, b) for t, n, b in self.tensor_sizes if t in keep]
+        return sum(n for n, _ in sizes), sum(b for _, b in sizes)
+
+    def weights(self, dtype: torch.dtype = torch.float32,
+                keep: frozenset[GGMLQuantizationType] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+        """Yield ``(hf_name, tensor)`` pairs one at a time, dequantized and cast to ``dtype``;
+        a GGUF's 2-D weights of the types in ``keep`` as GGUFWeights, as the file stores them.
 
         Only one tensor is materialised at a time, so the caller can copy each into the
         model and drop it without ever holding two copies of the weights.
         """
-        return self._stream(dtype)
-
-    def q4_1_weights(self) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-        """Yield ``(hf_name, (q, d, m))`` for each weight the file stores as GGUF Q4_1, kept
-        quantized (loader/dequant.py q4_1_parts) and in HF layout; nothing for other formats."""
-        return iter(()) if self._q4_1_stream is None else self._q4_1_stream()
+        return self._stream(dtype, keep)

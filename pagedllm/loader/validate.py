@@ -56,6 +56,12 @@ def check_weight_shapes(declared: Mapping[str, Sequence[int]], config: ModelConf
                              f"e.g. {missing[:3]}")
 
 
+def weight_numel(config: ModelConfig) -> int:
+    """Elements of the checkpoint's weights (a tied LM head counted once): its size in bytes
+    per element, as check_weight_shapes has checked the file's headers against these."""
+    return sum(math.prod(shape) for shape in expected_weight_shapes(config).values())
+
+
 def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes the built model holds in ``dtype``: its weights plus the cos/sin caches
     ([max_position, head_dim] each) of the rotary embedding its layers share (Gemma 3: two,
@@ -65,18 +71,27 @@ def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     seconds the first time (torch loads its meta kernels). A test checks it against a real
     model's parameters and buffers.
     """
-    numel = sum(math.prod(shape) for shape in expected_weight_shapes(config).values())
+    numel = weight_numel(config)
     rotary = 2 * config.max_position_embeddings * config.head_dim
     rotary *= 2 if config.rope_local_theta is not None else 1
     return (numel + rotary) * dtype.itemsize
 
 
-def check_fits_in_memory(config: ModelConfig, dtype: torch.dtype, available: int, path: str) -> None:
-    """Refuse, before allocating, a model that cannot fit in ``available`` bytes."""
-    needed = model_bytes(config, dtype)
-    if needed > available:
+def check_fits_in_memory(config: ModelConfig, dtype: torch.dtype, available: int, path: str,
+                         kv_bytes: int = 0, weight_forms: int = 1,
+                         kept: tuple[int, int] = (0, 0)) -> None:
+    """Refuse, before allocating, a model that cannot fit in ``available`` bytes: its weights
+    and buffers in ``dtype`` (linears held in ``weight_forms`` forms: 2 where oneDNN's packing
+    sits beside the plain weight) plus ``kv_bytes``, the least KV cache the engine runs with.
+    kept: (elements, file bytes) of a GGUF's weights kept quantized, held as their packing
+    (at most 1.05x the file's bytes) instead of in ``dtype``."""
+    elements, file_bytes = kept
+    weights = ((model_bytes(config, dtype) - elements * dtype.itemsize) * weight_forms
+               + int(file_bytes * 1.05))
+    if weights + kv_bytes > available:
+        kv = f" and {kv_bytes / 2**30:.2f} GiB of KV cache at the least" if kv_bytes else ""
+        forms = " (held twice: plain and oneDNN-packed)" if weight_forms > 1 else ""
         raise ModelLoadError(
-            f"{path!r}: the model needs {needed / 2**30:.1f} GiB for its weights and buffers "
+            f"{path!r}: the model needs {weights / 2**30:.1f} GiB of weights{forms}{kv} "
             f"({str(dtype).removeprefix('torch.')}, {config.num_hidden_layers} layers, context "
-            f"{config.max_position_embeddings}), but only {available / 2**30:.1f} GiB of memory "
-            f"is available")
+            f"{config.max_position_embeddings}), {available / 2**30:.1f} GiB available")

@@ -21,6 +21,7 @@ from pagedllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                     RowParallelLinear)
+from pagedllm.layers.quantized import GGUFWeight, take_gguf
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.config import ModelConfig
 
@@ -235,6 +236,12 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            if isinstance(tensor, GGUFWeight):  # a GGUF weight to keep quantized
+                module, _, param_name = target.rpartition(".")
+                if take_gguf(self.get_submodule(module), param_name, tensor, shard):
+                    loaded.add(target)
+                    continue
+                tensor = tensor.dequantize()
             loader = getattr(param, "weight_loader", _copy_weight)
             loader(param, tensor.to(param.dtype), *shard)
             loaded.add(target)

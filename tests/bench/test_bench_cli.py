@@ -116,7 +116,10 @@ def test_table_and_chart_are_written(bench_all):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_llamacpp_without_a_server_binary_is_a_clear_error():
-    r = run(["throughput", "--compare", "llamacpp", *TINY])
+def test_llamacpp_without_a_server_binary_is_a_clear_error(tmp_path):
+    env = {k: v for k, v in ENV.items() if k != "PAGEDLLM_LLAMA_SERVER"}
+    env["PAGEDLLM_LLAMACPP_DIR"] = str(tmp_path)  # where scripts/build_llamacpp.sh built none
+    r = subprocess.run(BASE + ["throughput", "--compare", "llamacpp", *TINY],
+                       capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2
     assert "--llama-server" in r.stderr

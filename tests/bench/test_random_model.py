@@ -7,7 +7,9 @@ from pagedllm.bench import random_model
 from pagedllm.loader.hf_loader import config_from_hf
 from pagedllm.models.registry import model_class
 
-FAMILY_OF = {"qwen2.5-0.5b": "qwen2", "mistral-7b-8layers": "mistral",
+FAMILY_OF = {"qwen3-0.6b": "qwen3", "qwen3-1.7b": "qwen3", "llama-3.2-1b": "llama",
+             "llama-3.2-3b": "llama", "llama-3-8b": "llama", "qwen3-30b-a3b": "qwen3_moe",
+             "qwen2.5-0.5b": "qwen2", "mistral-7b-8layers": "mistral",
              "phi-4-mini-8layers": "phi3", "gemma-3-1b": "gemma3", "gemma-2-2b": "gemma2",
              "qwen3-30b-a3b-4layers": "qwen3_moe", "mixtral-8x7b-2layers": "mixtral"}
 

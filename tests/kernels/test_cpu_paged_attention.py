@@ -232,7 +232,7 @@ def prefix_blocks(plan: cpu_paged.KernelRows) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("dim", [64, 128, 40])
 def test_cascade_over_a_shared_prefix_matches_dense(cascade_on_small_batches, dtype, dim):
     """Rows whose tables start with the same 5 blocks: decodes, then (mixed batch) chunks
     over the prefix plus a fresh prompt and a long chunk that do not take the kernel. The

@@ -20,9 +20,9 @@ if ext is None or not ext.has_packed_linear_bf16():
 
 
 def loaded(w: torch.Tensor, fp32_out: bool = False):
-    """The linear method chosen for a loaded weight, and a layer holding the weight as it
-    processed it."""
-    layer = SimpleNamespace(weight=w, packed_weight=None)
+    """The linear method chosen for a loaded weight, and a layer holding (a copy of) the
+    weight as it processed it."""
+    layer = SimpleNamespace(weight=w.clone(), packed_weight=None)
     method = select_linear_method(w, fp32_out)
     method.process_weights_after_loading(layer)
     return method, layer
@@ -142,8 +142,44 @@ def test_the_mlp_takes_the_fused_pass_where_its_weight_is_packed_for_it(monkeypa
     assert calls == ([9] if fused_here else [])
     torch.testing.assert_close(packed, unpacked, rtol=2e-2, atol=2e-2)
     # fp32 weights keep torch's linear and SiLU-and-mul: no fused pass
-    mlp.float()
+    mlp = MLP(config).float()
     for m in (mlp.gate_up_proj, mlp.down_proj):
+        m.weight.data.normal_(0, 0.1)
         m.process_weights_after_loading()
     mlp.forward(x.float())
     assert calls == ([9] if fused_here else [])
+
+
+def test_a_packed_layer_holds_its_weight_once_and_still_answers_every_input():
+    """After packing, the plain weight is an empty tensor; the packing gives back the exact
+    weight and embedding rows, and inputs the kernel does not take directly (3-D, strided)
+    are computed from it as their 2-D rows would be."""
+    w = torch.randn(96, 64).bfloat16()
+    method, layer = loaded(w)
+    if not isinstance(method, PackedBf16LinearMethod):
+        pytest.skip("AMX CPU: oneDNN's packing (and the plain weight) are kept")
+    assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16
+    assert torch.equal(method.weight(layer), w)
+    ids = torch.tensor([[0, 17, 95], [16, 15, 3]])
+    assert torch.equal(method.embedding(layer, ids), F.embedding(ids, w))
+    x = torch.randn(2, 5, 64).bfloat16()
+    assert torch.equal(method.apply(layer, x), method.apply(layer, x.reshape(10, 64)).view(2, 5, 96))
+    strided = torch.randn(7, 2, 64).bfloat16()[:, 1]
+    assert torch.equal(method.apply(layer, strided), method.apply(layer, strided.contiguous()))
+    with pytest.raises(RuntimeError, match="dtype"):  # as F.linear: no silent cast
+        method.apply(layer, x.float())
+
+
+def test_onednn_keeps_the_plain_weight_only_where_our_small_row_kernels_read_it(monkeypatch):
+    """A shape the packed kernel does not take goes to oneDNN: with AVX512-BF16 the
+    weight-streaming kernel reads the plain weight for few rows, so it stays (two forms);
+    without, oneDNN's packing is the only form and the plain weight is rebuilt from it."""
+    w, x = torch.randn(40, 128).bfloat16(), torch.randn(70, 128).bfloat16()
+    method, layer = loaded(w)
+    assert isinstance(method, OneDNNLinearMethod) and layer.weight.numel() == w.numel()
+    expected = method.apply(layer, x)
+    monkeypatch.setattr(probes, "has_avx512_bf16", lambda: False)
+    method, layer = loaded(w)
+    assert layer.weight.numel() == 0 and torch.equal(method.weight(layer), w)
+    assert torch.equal(method.apply(layer, x), expected)
+    assert torch.equal(method.apply(layer, x.view(7, 10, 128)), expected.view(7, 10, 40))

@@ -105,6 +105,29 @@ def counting_stack_steps(monkeypatch) -> dict[str, int]:
     return counts
 
 
+def assert_stack_equals_per_op(model: str, prompts: list[list[int]], monkeypatch,
+                               dtype: str = "bfloat16") -> None:
+    """bf16 greedy decoding of the prompts, all in one batch and one alone: the one-call
+    stack runs every decode step and gives the per-op forward's tokens and logprobs. (dtype
+    "auto": a GGUF's weights kept quantized.)"""
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("the fused decode stack needs a CPU with AVX512-BF16")
+    assert build.load() is not None, build.load_error
+    kwargs = dict(dtype=dtype, kv_cache_memory_bytes=16 * 2**20, max_model_len=512,
+                  enable_prefix_caching=False)
+    llm, eager = LLM(model, **kwargs), LLM(model, enforce_eager=True, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    counts = counting_stack_steps(monkeypatch)
+    for batch in (prompts, prompts[:1]):
+        counts["stack"] = 0
+        ours = llm.generate(batch, params, use_tqdm=False)
+        assert counts["stack"] == 11
+        per_op = eager.generate(batch, params, use_tqdm=False)
+        for a, b in zip(ours, per_op):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 @pytest.mark.slow
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(monkeypatch):
     """bf16 decode steps run the whole layer stack as one C++ call

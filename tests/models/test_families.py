@@ -139,6 +139,15 @@ def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
     assert outs[0] == outs[1]
 
 
+def test_qwen2_biases_take_the_one_call_decode_stack_with_the_per_op_results(models,
+                                                                             monkeypatch):
+    """The decode stack adds q/k/v biases as the linear methods do: its decode steps give
+    the per-op forward's tokens and logprobs bit for bit (and it does run them)."""
+    from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
+    built, prompts, _ = models("qwen2")
+    assert_stack_equals_per_op(str(built.hf_dir), prompts, monkeypatch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tensor_parallel_2_equals_hf(models, family):

@@ -1,20 +1,22 @@
-"""quantization="gguf": the bundled model's Q4_1 linears run on their quantized weights.
-Greedy outputs stay close to HF transformers' fp32 (vLLM's check: at the first token where
-the two continuations differ, each side's token is in the other's top-5), the one-call
-decode stack gives the per-op forward's tokens and logprobs, and what cannot be kept
-quantized is refused with a clear error."""
+"""quantization="gguf" (the default for a GGUF file): the bundled model's Q4_1 linears and
+its Q8_0 tied embedding / LM head compute from the file's blocks. Greedy outputs stay close
+to HF transformers' fp32 (vLLM's check: at the first token where the two continuations
+differ, each side's token is in the other's top-5), the one-call decode stack gives the
+per-op forward's tokens and logprobs, and what cannot be kept quantized is refused with a
+clear error. (Other types and families: test_gguf_quantized.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cpu_features import cpu_flags
-from pagedllm import LLM, SamplingParams
-from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantized import is_q4_1
+from gguf import GGMLQuantizationType as Q
 
-pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
-                                reason="quantization=gguf needs a CPU with AVX512-BF16")
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import probes
+from pagedllm.layers.linear import LinearBase
+
+pytestmark = pytest.mark.skipif(not probes.gguf_linear_available(),
+                                reason="the GGUF kernel needs a CPU with AVX2 or AVX-512")
 
 NEW_TOKENS = 24
 PROMPTS = [
@@ -26,35 +28,28 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(quantization="gguf", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
-               enable_prefix_caching=False)
+    return LLM(kv_cache_memory_bytes=64 * 2**20, max_model_len=1024, enable_prefix_caching=False)
 
 
-def test_every_linear_holds_only_its_q4_1_weight_and_the_head_stays_bf16(llm):
+def test_every_linear_and_the_tied_head_compute_from_the_files_blocks(llm):
+    assert llm.engine.config.quantization == "gguf"  # the default for a GGUF
     model = llm.engine.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
-    assert len(linears) == 4 * 30 and all(is_q4_1(m.packed_weight) for m in linears)
-    assert all(m.weight.numel() == 0 for m in linears)       # the bf16 copies freed
-    assert model.lm_head.weight.dtype == torch.bfloat16     # Q8_0 in the GGUF: dequantized
-    head = model.lm_head.packed_weight                      # on pagedllm's kernel, AMX or not:
-    assert head.dim() == 4 and head.dtype == torch.bfloat16  # fp32 logits
-
-
-@pytest.mark.slow
-def test_where_amx_would_pack_for_onednn_the_head_still_takes_pagedllms_kernel(monkeypatch):
-    """On an AMX CPU bf16 weights are packed for oneDNN (bf16 logits); with quantized weights
-    the head is repacked for pagedllm's kernel, so its logits are fp32 there too."""
-    from pagedllm.kernels import probes
-    from pagedllm.layers.linear_methods import OneDNNLinearMethod, select_linear_method
-    monkeypatch.setattr(probes, "amx_linear_rows", lambda: 32)  # prepack as with AMX
-    assert isinstance(select_linear_method(torch.randn(64, 64).bfloat16()), OneDNNLinearMethod)
-    llm = LLM(quantization="gguf", kv_cache_memory_bytes=32 * 2**20, max_model_len=256,
-              enable_prefix_caching=False)
-    model = llm.engine.model_runner.model
-    head = model.lm_head.packed_weight
-    assert head.dim() == 4 and head.dtype == torch.bfloat16
+    assert len(linears) == 4 * 30
+    assert all([p.qtype for p in m.gguf_parts] == [Q.Q4_1] for m in linears)
+    assert all(m.weight.numel() == 0 for m in linears)       # never a bf16 copy
+    embed = model.model.embed_tokens
+    assert [p.qtype for p in embed.gguf_parts] == [Q.Q8_0] and embed.weight.numel() == 0
+    assert model.lm_head.gguf_parts is embed.gguf_parts      # tied: one packing
     hidden = torch.randn(3, model.config.hidden_size).bfloat16()
     assert model.compute_logits(hidden).dtype == torch.float32
+
+
+def test_an_explicit_dtype_dequantizes():
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=8 * 2**20, max_model_len=256)
+    assert llm.engine.config.quantization == "none"
+    model = llm.engine.model_runner.model
+    assert model.lm_head.gguf_parts is None and model.lm_head.weight.dtype == torch.bfloat16
 
 
 def _top5_hf(model, ids: list[int]) -> list[int]:
@@ -94,11 +89,11 @@ def test_chat_answers_paris(llm):
 
 @pytest.mark.slow
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, monkeypatch):
-    """Decode steps take the one-call stack with the Q4_1 weights too (every row count: one-row
-    tiles up to 3 rows, 4-row tiles beyond), with the per-op forward's results
+    """Decode steps take the one-call stack with the GGUF weights too (every row count: the
+    kernel's one-row and several-row tiles), with the per-op forward's results
     (enforce_eager=True) bit for bit; and batching does not change a sequence's tokens."""
     from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
-    eager = LLM(quantization="gguf", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
+    eager = LLM(kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
                 enable_prefix_caching=False, enforce_eager=True)
     lengths = [15, 16, 17, 40, 3, 33, 64]
     prompts = [[1000 + 37 * i + j for j in range(length)] for i, length in enumerate(lengths)]
@@ -128,12 +123,11 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, m
 
 
 def test_what_cannot_stay_quantized_is_refused(tiny_gguf):
-    with pytest.raises(ValueError, match="bfloat16"):
-        LLM(quantization="gguf", dtype="float32")
-    with pytest.raises(ValueError, match="gguf or unset"):
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        LLM(quantization="gguf", dtype="float16")
+    with pytest.raises(ValueError, match="gguf or none"):
         LLM(quantization="awq")
     with pytest.raises(ValueError, match="one rank"):
         LLM(quantization="gguf", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="no Q4_1 linear weights"):  # an F32 GGUF
-        LLM(model=str(tiny_gguf), quantization="gguf", dtype="bfloat16",
-            kv_cache_memory_bytes=2**20)
+    with pytest.raises(ValueError, match="no weights of the types kept quantized"):  # F32
+        LLM(model=str(tiny_gguf), quantization="gguf", kv_cache_memory_bytes=2**20)

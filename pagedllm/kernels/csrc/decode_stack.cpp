@@ -1,11 +1,12 @@
 // A decode step's whole stack of decoder layers, in one call.
 //
 // It runs the kernels the model's Python forward runs (models/llama.py with the CPU ops:
-// rms_norm, packed_linear_bf16, q4_1_linear_bf16, small_linear_bf16, amx_linear_bf16 or oneDNN's matmul on the
-// prepacked weight, rotary_embedding, store_kv, paged_attention, silu_and_mul), in the same
-// order on the same tensors, so its results are the same bit for bit. What it saves is the
-// Python and torch dispatch around ~12 ops a layer: about 1 ms a step (measured at one row:
-// 14.6 -> 13.75 ms).
+// rms_norm, the linears' methods (packed_linear_bf16, gguf_linear, small_linear_bf16,
+// amx_linear_bf16 or oneDNN's matmul on the prepacked weight) and their biases, the per-head
+// q/k norms, rotary_embedding, store_kv, paged_attention, silu_and_mul), in the same order
+// on the same tensors, so its results are the same bit for bit. What it saves is the Python
+// and torch dispatch around ~12-16 ops a layer: about 1 ms a step for SmolLM2's 30 layers at
+// one row (14.6 -> 13.75 ms).
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -13,45 +14,68 @@
 namespace pagedllm {
 namespace {
 
-// x w^T: pagedllm's packed linear where the weight is packed for it (a GGUF Q4_1 weight:
-// q4_1_linear_bf16); else the
-// weight-streaming kernel for up to small_rows rows, the AMX one up to amx_rows, oneDNN's
-// matmul on the prepacked weight beyond (as layers/linear_methods.py chooses).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
-                  int64_t small_rows, int64_t amx_rows) {
-  if (packed.dim() == 4)
-    return packed.scalar_type() == at::kByte ? q4_1_linear_bf16(x, packed) : packed_linear_bf16(x, packed);
-  if (x.size(0) <= small_rows) return small_linear_bf16(x, w);
-  if (x.size(0) <= amx_rows && x.size(1) % 32 == 0 && w.size(0) % 32 == 0)
-    return amx_linear_bf16(x, w);
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                             c10::string_view, c10::List<std::optional<at::Scalar>>,
                             std::optional<c10::string_view>)>();
-  return op.call(x.contiguous(), packed, std::nullopt, "none",
-                 c10::List<std::optional<at::Scalar>>(), "");
+  return op.call(x.contiguous(), packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 "");
+}
+
+// x w^T of the GGUF parts: one call, or one per part into its columns.
+at::Tensor gguf_product(const at::Tensor& x, const StackLinear& l) {
+  if (l.parts.size() == 1)
+    return gguf_linear(x, l.parts[0], l.part_types[0], l.part_rows[0], c10::nullopt, false);
+  int64_t n = 0;
+  for (int64_t rows : l.part_rows) n += rows;
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  for (size_t i = 0, start = 0; i < l.parts.size(); start += l.part_rows[i++])
+    gguf_linear(x, l.parts[i], l.part_types[i], l.part_rows[i],
+                y.narrow(1, start, l.part_rows[i]), false);
+  return y;
+}
+
+// x w^T (+ bias) by the layer's method (see StackLinear), the bias added as the Python
+// methods add it (fused only in oneDNN's matmul).
+at::Tensor linear(const at::Tensor& x, const StackLinear& l, int64_t small_rows,
+                  int64_t amx_rows) {
+  at::Tensor y;
+  if (!l.parts.empty())
+    y = gguf_product(x, l);
+  else if (l.packed.dim() == 4)
+    y = packed_linear_bf16(x, l.packed, false);
+  else if (x.size(0) <= small_rows)
+    y = small_linear_bf16(x, l.weight);
+  else if (x.size(0) <= amx_rows && x.size(1) % 32 == 0 && l.weight.size(0) % 32 == 0)
+    y = amx_linear_bf16(x, l.weight);
+  else
+    return onednn_linear(x, l.packed, l.bias);
+  return l.bias.has_value() ? y + *l.bias : y;
+}
+
+// Each head's vector [T, heads, D] normed over D (a copy; Qwen3's q/k norms, as
+// layers/layernorm.py RMSNorm takes a 3-D input).
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm(x.reshape({-1, x.size(2)}), c10::nullopt, weight, eps)[0].view(x.sizes());
 }
 
 }  // namespace
 
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
-                         const std::vector<at::Tensor>& weights,
-                         const std::vector<at::Tensor>& k_caches,
-                         const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& q_starts,
-                         const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
-                         int64_t num_kv_heads, double eps, double scale, int64_t small_rows,
-                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks,
-                         int64_t prefix_first) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
-                  static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers + 1,
-              "decode_layers takes ", kWeightsPerLayer, " weights per layer and the final norm's");
+                         const std::vector<StackLayer>& layers, const at::Tensor& final_norm,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& q_starts, const at::Tensor& q_lens,
+                         const at::Tensor& k_lens, int64_t num_heads, int64_t num_kv_heads,
+                         double eps, double scale, int64_t small_rows, int64_t amx_rows,
+                         const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first) {
+  TORCH_CHECK(!layers.empty(), "decode_layers takes at least one layer");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [T, hidden]");
-  const int64_t tokens = x.size(0), head_dim = k_caches[0].size(3);
+  const int64_t tokens = x.size(0), head_dim = layers[0].k_cache.size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   auto prefix_of = [&](const at::Tensor& cache) {  // cascade's shared prefix, [S, Hkv, D]
     const at::Tensor blocks = prefix_first >= 0
@@ -60,39 +84,45 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
     return blocks.flatten(0, 1);
   };
   c10::optional<at::Tensor> residual;
-  for (int64_t l = 0; l < layers; ++l) {
-    // input norm, qkv (plain, packed), o (plain, packed), post-attention norm, gate/up
-    // (plain, packed), down (plain, packed)
-    const at::Tensor* w = &weights[kWeightsPerLayer * l];
-    std::vector<at::Tensor> normed = rms_norm(x, residual, w[0], eps);
+  for (const StackLayer& layer : layers) {
+    std::vector<at::Tensor> normed = rms_norm(x, residual, layer.input_norm, eps);
     residual = residual.has_value() ? normed[1] : x;
-    const at::Tensor qkv = linear(normed[0], w[1], w[2], small_rows, amx_rows);
-    // q and k heads are adjacent in qkv: rotated in place in one go
-    const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
-    rotary_embedding(positions, qk, cos, sin);
+    const at::Tensor qkv = linear(normed[0], layer.qkv, small_rows, amx_rows);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    store_kv(qk.narrow(1, num_heads, num_kv_heads), v, k_caches[l], v_caches[l], slot_mapping);
+    at::Tensor q, k;
+    if (layer.q_norm.has_value()) {  // normed copies, each rotated in place
+      q = head_norm(qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), *layer.q_norm, eps);
+      k = head_norm(qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}),
+                    *layer.k_norm, eps);
+      rotary_embedding(positions, q, cos, sin);
+      rotary_embedding(positions, k, cos, sin);
+    } else {  // q and k heads are adjacent in qkv: rotated in place in one go
+      const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
+      rotary_embedding(positions, qk, cos, sin);
+      q = qk.narrow(1, 0, num_heads);
+      k = qk.narrow(1, num_heads, num_kv_heads);
+    }
+    store_kv(k, v, layer.k_cache, layer.v_cache, slot_mapping);
     at::Tensor attn = at::empty({tokens, num_heads, head_dim}, x.options());
-    const at::Tensor q = qk.narrow(1, 0, num_heads);
     c10::optional<at::Tensor> prefix_out, prefix_lse;
     if (prefix_blocks) {
       prefix_out = at::empty({tokens, num_heads, head_dim}, x.options());
-      prefix_lse = attention_over_keys(*prefix_out, q, prefix_of(k_caches[l]),
-                                       prefix_of(v_caches[l]), scale, false);
+      prefix_lse = attention_over_keys(*prefix_out, q, prefix_of(layer.k_cache),
+                                       prefix_of(layer.v_cache), scale, false);
     }
-    paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, q_starts, q_lens, k_lens,
-                    scale, prefix_out, prefix_lse);
-    std::vector<at::Tensor> post = rms_norm(linear(attn.view({tokens, q_size}), w[3], w[4], small_rows, amx_rows),
-                                            residual, w[5], eps);
+    paged_attention(attn, q, layer.k_cache, layer.v_cache, block_tables, q_starts, q_lens,
+                    k_lens, scale, prefix_out, prefix_lse);
+    std::vector<at::Tensor> post = rms_norm(linear(attn.view({tokens, q_size}), layer.o, small_rows, amx_rows),
+                                            residual, layer.post_norm, eps);
     residual = post[1];
     // gate/up and SiLU-and-mul in one pass where the weight is packed for it (same results)
-    const at::Tensor act =
-        w[7].dim() == 4 && w[7].scalar_type() == at::kBFloat16
-            ? packed_gate_up_silu_bf16(post[0], w[7])
-                        : silu_and_mul(linear(post[0], w[6], w[7], small_rows, amx_rows));
-    x = linear(act, w[8], w[9], small_rows, amx_rows);
+    const StackLinear& gate_up = layer.gate_up;
+    const at::Tensor act = gate_up.parts.empty() && gate_up.packed.dim() == 4 && !gate_up.bias
+                               ? packed_gate_up_silu_bf16(post[0], gate_up.packed)
+                               : silu_and_mul(linear(post[0], gate_up, small_rows, amx_rows));
+    x = linear(act, layer.down, small_rows, amx_rows);
   }
-  return rms_norm(x, residual, weights.back(), eps)[0];
+  return rms_norm(x, residual, final_norm, eps)[0];
 }
 
 }  // namespace pagedllm

@@ -44,8 +44,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gate_up_silu_bf16", &pagedllm::packed_gate_up_silu_bf16,
         "silu(gate) * up of a packed [gate; up] projection in one pass (the results of "
         "packed_linear_bf16 then silu_and_mul)");
-  m.def("q4_1_linear_bf16", &pagedllm::q4_1_linear_bf16,
-        "x w^T for bf16 rows x from a GGUF Q4_1 weight packed by pack_q4_1 (its exact values)");
+  m.def("gguf_linear", &pagedllm::gguf_linear,
+        "x w^T for bf16 rows x from a GGUF weight (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) packed "
+        "by pack_gguf (its exact values); writes the first n columns of out if given",
+        py::arg("x"), py::arg("packed"), py::arg("qtype"), py::arg("n"),
+        py::arg("out") = py::none(), py::arg("fp32_out") = false);
+  m.def("gguf_packed_nbytes", &pagedllm::gguf_packed_nbytes,
+        "bytes of pack_gguf's layout for a weight [n, k] of ggml type qtype");
+  m.def("gguf_dequantize_rows", &pagedllm::gguf_dequantize_rows,
+        "the exact float32 weights of some output rows, from the packed GGUF weight");
+  m.def("gguf_linear_isa", &pagedllm::gguf_linear_isa,
+        "what gguf_linear runs on: 'avx512_bf16', 'avx2' or '' (not built)");
+  m.def("force_gguf_linear_isa", &pagedllm::force_gguf_linear_isa,
+        "tests: 'avx2' makes gguf_linear take its AVX2 path; '' the best built");
   m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
         "whether this build has the AVX512-BF16 packed linear");
   m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",
@@ -54,6 +65,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "rotate x [T, heads, D] in place by positions (half-rotation layout)");
   m.def("argmax_rows", &pagedllm::argmax_rows, "first index of each row's maximum");
+  py::class_<pagedllm::StackLinear>(m, "StackLinear",
+                                    "a linear layer of the decode stack (see ops.h)")
+      .def(py::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<int64_t>, c10::optional<at::Tensor>>(),
+           py::arg("weight"), py::arg("packed"), py::arg("parts"), py::arg("part_types"),
+           py::arg("part_rows"), py::arg("bias"));
+  py::class_<pagedllm::StackLayer>(m, "StackLayer",
+                                   "a decoder layer of the decode stack (see ops.h)")
+      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                    pagedllm::StackLinear, pagedllm::StackLinear, pagedllm::StackLinear,
+                    pagedllm::StackLinear, at::Tensor, at::Tensor>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("k_cache"), py::arg("v_cache"));
   m.def("decode_layers", &pagedllm::decode_layers,
         "a decode step's decoder layers for bf16 rows in one call (same results as the "
         "per-op forward)");

@@ -57,10 +57,23 @@ bool has_packed_linear_bf16();
 // with the results of packed_linear_bf16 followed by silu_and_mul, bit for bit.
 at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packed);
 
-// y = x w^T for bf16 x [M, K] from a GGUF Q4_1 weight kept quantized (q4_linear.cpp): w's
-// exact values d * q + m, from layers/quantized.py pack_q4_1's uint8 [N/16, K/32, 320]. Only
-// built where the CPU has AVX512-BF16.
-at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& packed);
+// y = x w^T for bf16 x [M, K] (row stride free) from a GGUF weight [n, K] of ggml type qtype
+// (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) kept quantized (gguf_linear.cpp): w's exact values,
+// from layers/gguf_packing.py pack_gguf's uint8 layout. out: an [M, >= n] view (unit column
+// stride) whose first n columns are written, bf16, or fp32 with fp32_out (the unrounded
+// sums); returns those n columns. AVX512-BF16, else AVX2 + FMA + F16C.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                       const c10::optional<at::Tensor>& out, bool fp32_out);
+// Bytes of pack_gguf's layout for a weight [n, k] of type qtype.
+int64_t gguf_packed_nbytes(int64_t qtype, int64_t n, int64_t k);
+// The exact float32 weights of the given output rows [len(rows), k], read from the packed
+// form (gguf.quants.dequantize's values bit for bit).
+at::Tensor gguf_dequantize_rows(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
+                                const at::Tensor& rows);
+// What gguf_linear runs on: "avx512_bf16", "avx2" or "" (neither built).
+std::string gguf_linear_isa();
+// Tests: "avx2" makes gguf_linear take its AVX2 path where AVX512-BF16 runs; "" the best.
+void force_gguf_linear_isa(const std::string& isa);
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
@@ -71,27 +84,43 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor x, const at::Tenso
                       const at::Tensor& sin);
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// A linear layer of the decode stack: x w^T (+ bias) by the method the layer's Python side
+// computes with (layers/linear_methods.py, layers/quantized.py). bf16: the plain weight and
+// its packing, pagedllm's (4-D: every row count) or oneDNN's (small_linear_bf16 up to
+// small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond); or the weight again where
+// it has none. GGUF kept quantized: one packed part per run of output rows of one ggml type
+// (gguf_linear), each computing its columns of the output.
+struct StackLinear {
+  at::Tensor weight, packed;
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> part_types, part_rows;
+  c10::optional<at::Tensor> bias;
+};
+
+// A Llama-structured decoder layer of the decode stack: norms, linears, the optional
+// per-head q/k norms (Qwen3), the KV caches.
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  StackLinear qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;
+};
+
 // A decode step's decoder layers for bf16 rows (decode_stack.cpp): the embeddings x
-// [T, hidden] in, the final norm's output out. weights: per layer kWeightsPerLayer (input
-// norm, qkv, qkv packed, o, o packed, post-attention norm, gate_up, gate_up packed, down,
-// down packed), then the final norm's; the attention metadata is the paged_attention
-// kernel's, for the step's rows. A packed weight is packed_linear_bf16's (4-D: it takes
-// every row count) or oneDNN's; with oneDNN's, linears take small_linear_bf16 up to
-// small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond (as layers/linear_methods.py).
-// With prefix_blocks, a prefix every row shares that the tables leave out: cascade
-// attention, its part by attention_over_keys (as attention/cpu_paged.py) on a view of each
-// cache from block prefix_first when the blocks are adjacent (prefix_first >= 0, as
-// cpu_paged.SharedPrefix.cache_index found), else on a copy of them.
-constexpr int64_t kWeightsPerLayer = 10;
+// [T, hidden] in, the final norm's output out; the same kernels as the model's per-op
+// forward on the same tensors, so the same results bit for bit. The attention metadata is
+// the paged_attention kernel's, for the step's rows. With prefix_blocks, a prefix every row
+// shares that the tables leave out: cascade attention, its part by attention_over_keys (as
+// attention/cpu_paged.py) on a view of each cache from block prefix_first when the blocks
+// are adjacent (prefix_first >= 0, as cpu_paged.SharedPrefix.cache_index found), else on a
+// copy of them.
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
-                         const std::vector<at::Tensor>& weights,
-                         const std::vector<at::Tensor>& k_caches,
-                         const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& q_starts,
-                         const at::Tensor& q_lens, const at::Tensor& k_lens, int64_t num_heads,
-                         int64_t num_kv_heads, double eps, double scale, int64_t small_rows,
-                         int64_t amx_rows, const c10::optional<at::Tensor>& prefix_blocks,
-                         int64_t prefix_first);
+                         const std::vector<StackLayer>& layers, const at::Tensor& final_norm,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& q_starts, const at::Tensor& q_lens,
+                         const at::Tensor& k_lens, int64_t num_heads, int64_t num_kv_heads,
+                         double eps, double scale, int64_t small_rows, int64_t amx_rows,
+                         const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first);
 
 }  // namespace pagedllm

@@ -11,9 +11,12 @@
 //   S^T = K Q^T        2 tiles of 16 keys x 16 queries, AMX dot products over D;
 //   online softmax     AVX-512, lane-wise (no reductions across lanes): scale, causal mask,
 //                      running max and sum in fp32, P^T rounded to bf16;
-//   O^T += V^T P^T     4 accumulator tiles (head_dim 64) that stay in the tiles for the
-//                      whole loop: the running maximum is raised only when a chunk's scores
-//                      outgrow it by more than kMaxSlack, and only then is O rescaled.
+//   O^T += V^T P^T     4 accumulator tiles per 64 dims. At head_dim 64 they stay in the
+//                      tiles for the whole loop: the running maximum is raised only when a
+//                      chunk's scores outgrow it by more than kMaxSlack, and only then is O
+//                      rescaled. At 128 and 256 (8 tiles cannot hold 8 or 16 accumulators
+//                      besides S^T and the operands), O^T lives in Scratch::acc and passes
+//                      through the 4 tiles 64 dims at a time, once per chunk.
 // K and V^T of every (prompt, KV head) are copied once per call into 32-key chunks (a first
 // parallel pass), then read by every query head of the group and every query block.
 // On SmolLM2's shapes: 1.6x torch's flash attention at 64-256 tokens, 1.8x at 2048 (431
@@ -26,6 +29,11 @@
 // loaded and stored once per 32-key chunk (O^T, from Scratch::acc). Torch's flash attention
 // on such a CPU computes in fp32 through MKL's sgemm: about 100 GFLOP/s on 2 Zen 5 cores,
 // a quarter of a 2048-token prefill step.
+//
+// Every loop over D is a template on it: head_dim 64, 128 and 256 (SmolLM2; Qwen3 and
+// Llama 3; Gemma), the same code at each. On Zen 5 at Qwen3-0.6B's shapes (16 query heads
+// over 8 KV heads of 128), 512 and 2,048 tokens: 2.6-3.9x torch's flash attention (163
+// GFLOP/s on one core, up to 321 on two).
 //
 // Work items are (prompt, query head, 16-query block), largest first, handed out one at a
 // time. A build without AVX512-BF16 has no kernel here: prompt_attention_isa() says so and
@@ -53,7 +61,6 @@ std::atomic<bool> amx_allowed{true};
 #if defined(PAGEDLLM_BF16_DOT)
 
 constexpr int64_t kBlock = 32;  // keys per chunk
-constexpr int64_t kDim = 64;    // head_dim: O^T is 4 accumulator tiles, kept in tiles
 using BF16 = c10::BFloat16;
 
 using pagedllm::transpose16x16;
@@ -63,7 +70,7 @@ struct Segments {
   BF16* out;
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
   int64_t out_stride_t, out_stride_h;
-  int64_t heads, kv_heads;  // head_dim is kDim
+  int64_t heads, kv_heads, dim;  // dim: head_dim, 64, 128 or 256
   // Segment i: queries q[q_starts[i]:][:q_lens[i]] over keys k/v[k_starts[i]:][:k_lens[i]];
   // causal: the queries are the last q_lens[i] of the k_lens[i] positions (each sees the
   // keys up to its own); otherwise every query sees every key.
@@ -76,13 +83,15 @@ struct Segments {
 };
 
 // One 32-key chunk of one (prompt, KV head), rearranged for the tiles:
-//   keys: [32 keys][kDim]   the left operand of S^T = K Q^T (a tile row is a key)
-//   vt:   [kDim][32 keys]   the left operand of O^T = V^T P^T (a tile row is a dimension)
+//   keys: [32 keys][D]   the left operand of S^T = K Q^T (a tile row is a key)
+//   vt:   [D][32 keys]   the left operand of O^T = V^T P^T (a tile row is a dimension)
 // Keys past the prompt's end are zeros (their scores are masked, and 0 * V must be 0).
 // Working on transposes puts the 16 queries of a tile across a vector's lanes: the softmax's
 // row maxima and sums are lane-wise (no reduction across lanes), and so is rescaling O.
-constexpr int64_t kChunkElems = 2 * kBlock * kDim;
+template <int64_t D>
+constexpr int64_t kChunkElems = 2 * kBlock * D;
 
+template <int64_t D>
 void rearrange_chunk(const Segments& p, int64_t prompt, int64_t kv_head, int64_t chunk,
                      BF16* dst) {
   const int64_t len = p.k_lens[prompt], k0 = chunk * kBlock;
@@ -90,9 +99,9 @@ void rearrange_chunk(const Segments& p, int64_t prompt, int64_t kv_head, int64_t
   const BF16* v = p.v + p.k_starts[prompt] * p.v_stride_t + kv_head * p.v_stride_h;
   // V as 32-bit units (pairs of dims), transposed 16 x 16 at a time: vu[unit][key half]
   // holds 16 keys' (V[key][2 unit], V[key][2 unit + 1]).
-  __m512i vu[32][2];
+  __m512i vu[D / 2][2];
   for (int64_t half = 0; half < 2; ++half)
-    for (int64_t ub = 0; ub < kDim / 32; ++ub) {
+    for (int64_t ub = 0; ub < D / 32; ++ub) {
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t key = k0 + half * 16 + i;
@@ -107,8 +116,8 @@ void rearrange_chunk(const Segments& p, int64_t prompt, int64_t kv_head, int64_t
                                         34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6,
                                         4, 2, 0);
   const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
-  BF16* vt = dst + kBlock * kDim;
-  for (int64_t u = 0; u < kDim / 2; ++u) {
+  BF16* vt = dst + kBlock * D;
+  for (int64_t u = 0; u < D / 2; ++u) {
     _mm512_storeu_si512(vt + (2 * u) * kBlock, _mm512_permutex2var_epi16(vu[u][0], even, vu[u][1]));
     _mm512_storeu_si512(vt + (2 * u + 1) * kBlock,
                         _mm512_permutex2var_epi16(vu[u][0], odd, vu[u][1]));
@@ -116,9 +125,9 @@ void rearrange_chunk(const Segments& p, int64_t prompt, int64_t kv_head, int64_t
   for (int64_t j = 0; j < kBlock; ++j) {
     const int64_t key = k0 + j;
     if (key < len)
-      std::copy_n(k + key * p.k_stride_t, kDim, dst + j * kDim);
+      std::copy_n(k + key * p.k_stride_t, D, dst + j * D);
     else
-      std::fill_n(dst + j * kDim, kDim, BF16(0.f));
+      std::fill_n(dst + j * D, D, BF16(0.f));
   }
 }
 
@@ -129,13 +138,14 @@ constexpr int64_t kQueries = 16;  // queries per work item: one tile's lanes
 // O out of the tiles and back.
 constexpr float kMaxSlack = 8.f;
 
+template <int64_t D>
 struct Scratch {
-  // Q^T in the tiles' pair order: [dim / 32][16 pairs of dims][16 queries] (32-bit units
+  // Q^T in the tiles' pair order: [D / 32][16 pairs of dims][16 queries] (32-bit units
   // holding two bf16); P^T likewise: [16 pairs of keys][16 queries].
-  alignas(64) uint32_t qt[kDim * kQueries / 2];
+  alignas(64) uint32_t qt[D * kQueries / 2];
   alignas(64) uint32_t pt[kBlock * kQueries / 2];
   alignas(64) float scores[kBlock * kQueries];  // S^T [32 keys][16 queries]
-  alignas(64) float acc[kDim * kQueries];       // O^T [dim][16 queries], when out of the tiles
+  alignas(64) float acc[D * kQueries];          // O^T [D][16 queries], when out of the tiles
 };
 
 // Two fp32 vectors of probabilities rounded to bf16 (to nearest even) and interleaved lane
@@ -162,18 +172,46 @@ inline __m512 exp_scores(__m512 x) {
 }
 
 #if defined(PAGEDLLM_AMX)
-// O^T's 4 tiles through memory: out to s.acc, or back in.
-inline void store_acc(Scratch& s) {
-  _tile_stored(0, s.acc, 64);
-  _tile_stored(1, s.acc + 16 * kQueries, 64);
-  _tile_stored(2, s.acc + 32 * kQueries, 64);
-  _tile_stored(3, s.acc + 48 * kQueries, 64);
+// 64 dims of O^T [dims][16 queries] in tiles 0-3: out to memory, or back in.
+inline void store_acc(float* acc) {
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 16 * kQueries, 64);
+  _tile_stored(2, acc + 32 * kQueries, 64);
+  _tile_stored(3, acc + 48 * kQueries, 64);
 }
-inline void load_acc(Scratch& s) {
-  _tile_loadd(0, s.acc, 64);
-  _tile_loadd(1, s.acc + 16 * kQueries, 64);
-  _tile_loadd(2, s.acc + 32 * kQueries, 64);
-  _tile_loadd(3, s.acc + 48 * kQueries, 64);
+inline void load_acc(const float* acc) {
+  _tile_loadd(0, acc, 64);
+  _tile_loadd(1, acc + 16 * kQueries, 64);
+  _tile_loadd(2, acc + 32 * kQueries, 64);
+  _tile_loadd(3, acc + 48 * kQueries, 64);
+}
+
+// S^T [32 keys][16 queries] = K Q^T on tiles 4 and 5 (16 keys each), into s.scores.
+template <int64_t D>
+inline void scores_on_tiles(const BF16* keys, Scratch<D>& s) {
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int64_t d = 0; d < D / 32; ++d) {  // over 32 dims at a time
+    _tile_loadd(7, s.qt + d * 256, 64);
+    _tile_loadd(6, keys + d * 32, D * 2);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(6, keys + 16 * D + d * 32, D * 2);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  _tile_stored(4, s.scores, 64);
+  _tile_stored(5, s.scores + 16 * kQueries, 64);
+}
+
+// 64 dims of O^T in tiles 0-3 += their V^T (vt: the first of the 64 rows) P^T (in tile 7).
+inline void accumulate_on_tiles(const BF16* vt) {
+  _tile_loadd(6, vt, 64);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(6, vt + 16 * kBlock, 64);
+  _tile_dpbf16ps(1, 6, 7);
+  _tile_loadd(6, vt + 32 * kBlock, 64);
+  _tile_dpbf16ps(2, 6, 7);
+  _tile_loadd(6, vt + 48 * kBlock, 64);
+  _tile_dpbf16ps(3, 6, 7);
 }
 #endif
 
@@ -186,22 +224,24 @@ inline __m512bh pair_at(const BF16* p) {
 }
 
 // S^T [32 keys][16 queries] = K Q^T, into s.scores (keys as in the chunk, Q^T as s.qt).
-inline void scores_by_dots(const BF16* keys, Scratch& s) {
+template <int64_t D>
+inline void scores_by_dots(const BF16* keys, Scratch<D>& s) {
   for (int64_t half = 0; half < 2; ++half) {
     __m512 acc[16];
     for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    const BF16* k = keys + half * 16 * kDim;
-    for (int64_t u = 0; u < kDim / 2; ++u) {  // a pair of dims: row u of Q^T's pair order
+    const BF16* k = keys + half * 16 * D;
+    for (int64_t u = 0; u < D / 2; ++u) {  // a pair of dims: row u of Q^T's pair order
       const __m512bh qv = (__m512bh)_mm512_load_si512(s.qt + u * 16);
-      for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair_at(k + r * kDim + 2 * u), qv);
+      for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair_at(k + r * D + 2 * u), qv);
     }
     for (int64_t r = 0; r < 16; ++r) _mm512_store_ps(s.scores + (half * 16 + r) * kQueries, acc[r]);
   }
 }
 
-// O^T [dims][16 queries] in s.acc += V^T P^T (V^T as in the chunk, P^T as s.pt).
-inline void accumulate_by_dots(const BF16* vt, Scratch& s) {
-  for (int64_t d0 = 0; d0 < kDim; d0 += 16) {
+// O^T [D][16 queries] in s.acc += V^T P^T (V^T as in the chunk, P^T as s.pt).
+template <int64_t D>
+inline void accumulate_by_dots(const BF16* vt, Scratch<D>& s) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
     __m512 acc[16];
     for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_load_ps(s.acc + (d0 + r) * kQueries);
     for (int64_t u = 0; u < kBlock / 2; ++u) {  // a pair of keys
@@ -213,15 +253,19 @@ inline void accumulate_by_dots(const BF16* vt, Scratch& s) {
   }
 }
 
-// Amx: O^T lives in tiles 0-3 and the products run on tiles; else on AVX512-BF16, O^T in s.acc.
-template <bool Amx>
+// Amx: the products run on tiles, else on AVX512-BF16. O^T stays in tiles 0-3 for the whole
+// loop where it fits them (AMX, D = 64); else it lives in s.acc, and AMX moves it through
+// tiles 0-3 64 dims at a time (8 tiles cannot hold D / 16 accumulators besides S^T's two
+// and the two operands).
+template <bool Amx, int64_t D>
 void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int64_t head,
-                  int64_t block, Scratch& s) {
+                  int64_t block, Scratch<D>& s) {
+  [[maybe_unused]] constexpr bool in_tiles = Amx && D == 64;
   const int64_t len = p.q_lens[prompt], keys_len = p.k_lens[prompt], q0 = block * kQueries;
   const int64_t offset = keys_len - len;  // causal: query i sits at position offset + i
   const int64_t kv_head = head / (p.heads / p.kv_heads);
   const BF16* q = p.q + p.q_starts[prompt] * p.q_stride_t + head * p.q_stride_h;
-  for (int64_t d = 0; d < kDim / 32; ++d) {  // Q^T in pair order; queries past the end: 0
+  for (int64_t d = 0; d < D / 32; ++d) {  // Q^T in pair order; queries past the end: 0
     __m512i rows[16];
     for (int64_t i = 0; i < kQueries; ++i)
       rows[i] = q0 + i < len ? _mm512_loadu_si512(q + (q0 + i) * p.q_stride_t + d * 32)
@@ -232,33 +276,21 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
   const __m512 scale = _mm512_set1_ps(p.scale), minus_inf = _mm512_set1_ps(-INFINITY);
   __m512 max = minus_inf, sum = _mm512_setzero_ps();
 #if defined(PAGEDLLM_AMX)
-  if constexpr (Amx) {
+  if constexpr (in_tiles) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
   }
 #endif
-  if constexpr (!Amx) std::fill_n(s.acc, kDim * kQueries, 0.f);
+  if constexpr (!in_tiles) std::fill_n(s.acc, D * kQueries, 0.f);
   const int64_t last_key = p.causal ? offset + std::min(q0 + kQueries, len) - 1 : keys_len - 1;
   for (int64_t c = 0; c * kBlock <= last_key; ++c) {
     const BF16* keys = rearranged +
-                       ((p.chunk_offset[prompt] + c) * p.kv_heads + kv_head) * kChunkElems;
-    const BF16* vt = keys + kBlock * kDim;
+                       ((p.chunk_offset[prompt] + c) * p.kv_heads + kv_head) * kChunkElems<D>;
+    const BF16* vt = keys + kBlock * D;
 #if defined(PAGEDLLM_AMX)
-    if constexpr (Amx) {
-      _tile_zero(4);
-      _tile_zero(5);
-      for (int64_t d = 0; d < kDim / 32; ++d) {  // S^T[keys][queries] over 32 dims at a time
-        _tile_loadd(7, s.qt + d * 256, 64);
-        _tile_loadd(6, keys + d * 32, kDim * 2);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(6, keys + 16 * kDim + d * 32, kDim * 2);
-        _tile_dpbf16ps(5, 6, 7);
-      }
-      _tile_stored(4, s.scores, 64);
-      _tile_stored(5, s.scores + 16 * kQueries, 64);
-    }
+    if constexpr (Amx) scores_on_tiles(keys, s);
 #endif
     if constexpr (!Amx) scores_by_dots(keys, s);
     // Key k0 + j exists if below keys_len; causal, it is visible to query q0 + i when
@@ -284,12 +316,12 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
         const __m512 alpha = pagedllm::exp16(_mm512_sub_ps(max, new_max));
         sum = _mm512_mul_ps(sum, alpha);
 #if defined(PAGEDLLM_AMX)
-        if constexpr (Amx) store_acc(s);
+        if constexpr (in_tiles) store_acc(s.acc);
 #endif
-        for (int64_t d = 0; d < kDim; ++d)
+        for (int64_t d = 0; d < D; ++d)
           _mm512_store_ps(s.acc + d * kQueries, _mm512_mul_ps(_mm512_load_ps(s.acc + d * kQueries), alpha));
 #if defined(PAGEDLLM_AMX)
-        if constexpr (Amx) load_acc(s);
+        if constexpr (in_tiles) load_acc(s.acc);
 #endif
       }
       max = new_max;
@@ -302,23 +334,21 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
       _mm512_store_si512(s.pt + (j / 2) * 16, pair_bf16(e0, e1));
     }
 #if defined(PAGEDLLM_AMX)
-    if constexpr (Amx) {
-      _tile_loadd(7, s.pt, 64);  // O^T[dims][queries] += V^T P^T, 16 dims per tile
-      _tile_loadd(6, vt, 64);
-      _tile_dpbf16ps(0, 6, 7);
-      _tile_loadd(6, vt + 16 * kBlock, 64);
-      _tile_dpbf16ps(1, 6, 7);
-      _tile_loadd(6, vt + 32 * kBlock, 64);
-      _tile_dpbf16ps(2, 6, 7);
-      _tile_loadd(6, vt + 48 * kBlock, 64);
-      _tile_dpbf16ps(3, 6, 7);
+    if constexpr (Amx) {  // O^T[dims][queries] += V^T P^T, 64 dims at a time
+      _tile_loadd(7, s.pt, 64);
+      for (int64_t d = 0; d < D; d += 64) {
+        if constexpr (!in_tiles) load_acc(s.acc + d * kQueries);
+        accumulate_on_tiles(vt + d * kBlock);
+        if constexpr (!in_tiles) store_acc(s.acc + d * kQueries);
+      }
     }
 #endif
     if constexpr (!Amx) accumulate_by_dots(vt, s);
   }
 #if defined(PAGEDLLM_AMX)
-  if constexpr (Amx) store_acc(s);  // out[query][d] = O^T[d][query] / sum[query], 16 dims at a time
+  if constexpr (in_tiles) store_acc(s.acc);
 #endif
+  // out[query][d] = O^T[d][query] / sum[query], 16 dims at a time
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
   BF16* out = p.out + p.q_starts[prompt] * p.out_stride_t + head * p.out_stride_h;
   if (p.lse) {  // log(sum e^(score - max)) + max
@@ -328,7 +358,7 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
     for (int64_t i = 0; i < kQueries && q0 + i < len; ++i)
       p.lse[(p.q_starts[prompt] + q0 + i) * p.lse_stride_t + head] = maxima[i] + std::log(sums[i]);
   }
-  for (int64_t d = 0; d < kDim; d += 16) {
+  for (int64_t d = 0; d < D; d += 16) {
     __m512i rows[16];
     for (int64_t k = 0; k < 16; ++k)
       rows[k] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(s.acc + (d + k) * kQueries), inv));
@@ -373,13 +403,14 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               "the head dimension must be contiguous");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
               "k and v must be alike, with q's head_dim, and divide q's heads");
-  TORCH_CHECK(q.size(2) == 64, "the prompt attention kernel takes head_dim 64");
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256,
+              "the prompt attention kernel takes head_dim 64, 128 or 256");
 }
 
 #if defined(PAGEDLLM_BF16_DOT)
 struct Item { int64_t segment, head, block, chunks; };  // a work item: 16 queries of one head
 
-template <bool Amx>
+template <bool Amx, int64_t D>
 void attend_items(const Segments& p, const BF16* rearranged, const std::vector<Item>& items) {
   std::atomic<int64_t> next{0};
   const int64_t workers =
@@ -388,24 +419,25 @@ void attend_items(const Segments& p, const BF16* rearranged, const std::vector<I
 #if defined(PAGEDLLM_AMX)
     if constexpr (Amx) pagedllm::configure_tiles();
 #endif
-    Scratch s;
+    Scratch<D> s;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) <
                     static_cast<int64_t>(items.size());)
-      attend_block<Amx>(p, rearranged, items[i].segment, items[i].head, items[i].block, s);
+      attend_block<Amx, D>(p, rearranged, items[i].segment, items[i].head, items[i].block, s);
 #if defined(PAGEDLLM_AMX)
     if constexpr (Amx) _tile_release();
 #endif
   });
 }
 
-void run(Segments& p, int64_t n) {
+template <int64_t D>
+void run_with_dim(Segments& p, int64_t n) {
   p.chunk_offset.assign(n + 1, 0);
   for (int64_t i = 0; i < n; ++i)
     p.chunk_offset[i + 1] = p.chunk_offset[i] + (p.k_lens[i] + kBlock - 1) / kBlock;
   const int64_t total_chunks = p.chunk_offset[n];
   // Every element is written by the first pass: no zeroing (a 1,024-token prefix of 3 KV
   // heads is 0.8 MB per layer).
-  std::unique_ptr<BF16[]> rearranged(new BF16[total_chunks * p.kv_heads * kChunkElems]);
+  std::unique_ptr<BF16[]> rearranged(new BF16[total_chunks * p.kv_heads * kChunkElems<D>]);
   // (segment, chunk) pairs, then every KV head of each: the first pass, in parallel.
   std::vector<std::pair<int64_t, int64_t>> chunk_ids;
   chunk_ids.reserve(total_chunks);
@@ -416,9 +448,9 @@ void run(Segments& p, int64_t n) {
     for (int64_t j = begin; j < end; ++j) {
       const auto [segment, c] = chunk_ids[j / p.kv_heads];
       const int64_t h = j % p.kv_heads;
-      rearrange_chunk(p, segment, h, c,
-                      rearranged.get() + ((p.chunk_offset[segment] + c) * p.kv_heads + h) *
-                                              kChunkElems);
+      rearrange_chunk<D>(p, segment, h, c,
+                         rearranged.get() + ((p.chunk_offset[segment] + c) * p.kv_heads + h) *
+                                                 kChunkElems<D>);
     }
   });
   // (segment, head, query block), the most key chunks first.
@@ -433,16 +465,23 @@ void run(Segments& p, int64_t n) {
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.chunks > b.chunks; });
 #if defined(PAGEDLLM_AMX)
-  if (use_amx()) return attend_items<true>(p, rearranged.get(), items);
+  if (use_amx()) return attend_items<true, D>(p, rearranged.get(), items);
 #endif
-  attend_items<false>(p, rearranged.get(), items);
+  attend_items<false, D>(p, rearranged.get(), items);
+}
+
+// head_dim (one of those check_inputs takes) as a compile-time constant.
+void run(Segments& p, int64_t n) {
+  if (p.dim == 64) return run_with_dim<64>(p, n);
+  if (p.dim == 128) return run_with_dim<128>(p, n);
+  run_with_dim<256>(p, n);
 }
 
 Segments make_segments(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, float scale, bool causal) {
   Segments p{q.data_ptr<BF16>(), k.data_ptr<BF16>(), v.data_ptr<BF16>(), out.data_ptr<BF16>(),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), q.size(1), k.size(1)};
+            out.stride(0), out.stride(1), q.size(1), k.size(1), q.size(2)};
   p.causal = causal;
   p.scale = scale;
   return p;

@@ -1,0 +1,714 @@
+// bf16 rows times a GGUF weight kept quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): the
+// weight's exact values (those gguf.quants.dequantize gives), read from memory at about the
+// GGUF's own size; activations bf16, sums fp32.
+//
+// Every type is w = s * q' + c over a scale unit of consecutive inputs of one output, with
+// q' an integer that bf16 holds exactly and s, c fp32 computed from the block's fields:
+//   Q4_0  q' = 128 + q (q 0..15)  s = d             c = -136 d          (w = d (q - 8))
+//   Q4_1  q' = 128 + q            s = d             c = m - 128 d       (w = d q + m)
+//   Q8_0  q' = q (int8)           s = d             c = 0
+//   Q4_K  q' = 128 + q            s = d sc          c = -128 s - dmin mn (6-bit sc, mn)
+//   Q5_K  q' = 128 + q (0..31)    as Q4_K
+//   Q6_K  q' = 128 + q (0..63)    s = d sc (int8)   c = -160 s          (w = d sc (q - 32))
+// so over a unit x . w = s (x . q') + c sum(x): the dot products run on bf16 (AVX512-BF16
+// VDPBF16PS, or fp32 FMAs on AVX2) and each unit's sum is scaled and corrected in fp32. A
+// 16-bit word whose low 7 bits are q, OR 0x4300, is the bf16 of 128 + q (and as the high
+// half of an fp32, the fp32 of it). d * sc is exact in fp32 (11 + 8 bits), not in fp16:
+// the K-quant scales stay the GGUF's integers, one byte each, multiplied here. The scale
+// unit is 32 inputs, 16 for Q6_K.
+//
+// Layout (layers/gguf_packing.py pack_gguf): outputs in groups of 16 (one vector of fp32
+// sums), N padded to an even number of groups; groups in panels of 4 (the last may have 2);
+// a panel is block after block (32 inputs, 256 for K-quants), so one row streams a panel in
+// order. A panel's block is its groups' headers (scales, 16 outputs side by side per field),
+// then for each 32 inputs (a unit) each group's quants:
+//   header  Q4_0 d[16] fp16 | Q4_1 d[16], m[16] | Q8_0 d[16] |
+//           Q4_K/Q5_K d[16], dmin[16] fp16, sc[8][16], mn[8][16] uint8 |
+//           Q6_K d[16] fp16, sc[16][16] int8
+//   unit    4 runs of 32 16-bit words: run u's word 2o + e holds in its
+//           nibbles s = 0..3 the low 4 bits of output o's element e of pair 4u + s;
+//           Q5_K then one word vector whose bit j of word 2o + e is bit 4 of pair j's q;
+//           Q6_K then two, vector v's bits 2j, 2j + 1 bits 4-5 of pair 8v + j;
+//           Q8_0 instead 16 pairs of 32 int8, byte 2o + e of pair p output o's element e.
+// The packed size is 1.00-1.03x the GGUF bytes (Q4_K 148/144, Q5_K 180/176). With the
+// headers of a block first and every unit 64-byte sized, each quant load is a whole line.
+//
+// Work: up to 3 rows, each thread takes whole panels and runs one row at a time over all 4
+// groups; beyond, half panels, in register tiles of 4 rows by 2 groups that share each
+// unpacked weight vector (rows left over: one at a time), 256-row chunks. Each (row, group)
+// sums a scale unit's even and odd pairs in two chains, scales their sum by s and adds
+// c sum(x) in fp32. One-row tiles prefetch the lines they will read 4 KiB on. The AVX2
+// path keeps the layout: a 32-byte half of a word vector is 8 outputs' pairs, widened to
+// fp32 (the bf16 word shifted up, or masked) for FMAs, in tiles of 2 or 1 rows by 2 groups.
+//
+// Every output is the same sum in the same order whichever rows share the call and however
+// the threads split the work: a row's result does not depend on its batch. The AVX2 path
+// sums in another order (its results differ from the AVX-512 path's in the last bits).
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__)
+#include "simd.h"
+#define GGUF_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_AVX2 1
+#endif
+
+namespace {
+
+enum class QType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr int64_t kGroup = 16;       // outputs per group
+constexpr int64_t kPanelGroups = 4;  // groups per panel (the last panel may have 2)
+constexpr int64_t kUnitInputs = 32;  // inputs per unit: 4 runs of 4 pairs
+
+// One type's layout: a group's block is kHeader bytes of scales and kBlock / 32 units of
+// kUnit bytes; kSubs scale units per 32 inputs; kOffset whether c sum(x) is needed.
+template <QType T>
+struct Format;
+template <>
+struct Format<QType::Q4_0> {
+  static constexpr int64_t kBlock = 32, kHeader = 32, kUnit = 256;
+  static constexpr int kSubs = 1;
+  static constexpr bool kOffset = true;
+};
+template <>
+struct Format<QType::Q4_1> {
+  static constexpr int64_t kBlock = 32, kHeader = 64, kUnit = 256;
+  static constexpr int kSubs = 1;
+  static constexpr bool kOffset = true;
+};
+template <>
+struct Format<QType::Q8_0> {
+  static constexpr int64_t kBlock = 32, kHeader = 32, kUnit = 512;
+  static constexpr int kSubs = 1;
+  static constexpr bool kOffset = false;
+};
+template <>
+struct Format<QType::Q4_K> {
+  static constexpr int64_t kBlock = 256, kHeader = 320, kUnit = 256;
+  static constexpr int kSubs = 1;
+  static constexpr bool kOffset = true;
+};
+template <>
+struct Format<QType::Q5_K> {
+  static constexpr int64_t kBlock = 256, kHeader = 320, kUnit = 320;
+  static constexpr int kSubs = 1;
+  static constexpr bool kOffset = true;
+};
+template <>
+struct Format<QType::Q6_K> {
+  static constexpr int64_t kBlock = 256, kHeader = 288, kUnit = 384;
+  static constexpr int kSubs = 2;
+  static constexpr bool kOffset = true;
+};
+
+template <QType T>
+constexpr int64_t kUnits = Format<T>::kBlock / kUnitInputs;
+template <QType T>
+constexpr int64_t kGroupBlock = Format<T>::kHeader + kUnits<T> * Format<T>::kUnit;
+
+// Where a type's packed weight of n outputs puts its panels and blocks.
+struct Shape {
+  int64_t blocks, groups, panels, panel_bytes, block_bytes;  // (of a full panel)
+  int64_t groups_in(int64_t panel) const {
+    return std::min(kPanelGroups, groups - panel * kPanelGroups);
+  }
+};
+
+template <QType T>
+Shape shape_of(int64_t n, int64_t k) {
+  Shape s;
+  s.blocks = k / Format<T>::kBlock;
+  s.groups = (n + 2 * kGroup - 1) / (2 * kGroup) * 2;
+  s.panels = (s.groups + kPanelGroups - 1) / kPanelGroups;
+  s.block_bytes = kPanelGroups * kGroupBlock<T>;
+  s.panel_bytes = s.blocks * s.block_bytes;
+  return s;
+}
+
+// One row is too little work per byte for the hardware prefetcher to stay ahead: a one-row
+// tile requests the bytes it will read at least kPrefetchBytes of the panel on (whole
+// blocks), as it starts each block's headers and each unit. (Multi-row tiles doing the same
+// ran 10-20% slower at 4 rows.)
+constexpr int64_t kPrefetchBytes = 4096;
+inline void prefetch(const uint8_t* p, int64_t bytes) {  // every line of p[0:bytes]
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < end; a += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+}
+template <QType T>
+int64_t prefetch_distance(int64_t G) {
+  const int64_t block = G * kGroupBlock<T>;
+  return (kPrefetchBytes + block - 1) / block * block;
+}
+
+constexpr int64_t kChunkRows = 256;  // rows per work item
+constexpr int64_t kFewRows = 3;      // up to this many, tiles of one row by a whole panel
+
+// y[:, :cols] = v (a tile's fp32 sums, 16 per group) as Out.
+template <typename Out>
+inline void store_row(Out* y, const float* v, int64_t cols) {
+  int64_t j = 0;
+#if defined(GGUF_AVX512)
+  for (; j + kGroup <= cols; j += kGroup) pagedllm::store16(y + j, _mm512_loadu_ps(v + j));
+#endif
+  for (; j < cols; ++j) y[j] = static_cast<Out>(v[j]);  // (c10's rounding, as store16's)
+}
+
+// ---- AVX-512 (AVX512-BF16) -------------------------------------------------------------
+#if defined(GGUF_AVX512)
+// Bits `from`.. of each 16-bit word moved to bit 4 (the other bits are masked off after).
+inline __m512i bits_to_4(__m512i v, int from) {
+  return from >= 4 ? _mm512_srli_epi16(v, from - 4) : _mm512_slli_epi16(v, 4 - from);
+}
+
+// q' of pairs 4u .. 4u + 3 of a group's unit, as 4 vectors of 16 pairs.
+template <QType T>
+inline void decode512(const uint8_t* unit, int u, __m512bh (&q)[4]) {
+  if constexpr (T == QType::Q8_0) {
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const uint8_t* p = unit + (4 * u + s) * 32;
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      q[s] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 128
+    }
+  } else {
+    const __m512i nibble = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16(0x4300);
+    const __m512i words = _mm512_loadu_si512(unit + u * 64);
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      __m512i high = offset;  // 0x4300 | the high bits of q, in place
+      if constexpr (T == QType::Q5_K) {
+        const __m512i plane = _mm512_loadu_si512(unit + 256);
+        high = _mm512_ternarylogic_epi32(bits_to_4(plane, 4 * u + s), _mm512_set1_epi16(0x10),
+                                         offset, 0xEA);
+      } else if constexpr (T == QType::Q6_K) {
+        const __m512i plane = _mm512_loadu_si512(unit + 256 + u / 2 * 64);
+        high = _mm512_ternarylogic_epi32(bits_to_4(plane, 2 * (4 * (u % 2) + s)),
+                                         _mm512_set1_epi16(0x30), offset, 0xEA);
+      }
+      // (nibble s & 0xF) | high
+      q[s] = reinterpret_cast<__m512bh>(
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4 * s), nibble, high, 0xEA));
+    }
+  }
+}
+
+// A group's s and c for scale unit `sub` of its block (header: the group's scales).
+template <QType T>
+inline void scales512(const uint8_t* header, int sub, __m512& s, __m512& c) {
+  auto fp16 = [&](int64_t at) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + at)));
+  };
+  auto bytes = [&](int64_t at) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + at));
+    return _mm512_cvtepi32_ps(T == QType::Q6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  };
+  if constexpr (T == QType::Q4_0) {
+    s = fp16(0);
+    c = _mm512_mul_ps(s, _mm512_set1_ps(-136.f));
+  } else if constexpr (T == QType::Q4_1) {
+    s = fp16(0);
+    c = _mm512_fnmadd_ps(s, _mm512_set1_ps(128.f), fp16(32));
+  } else if constexpr (T == QType::Q8_0) {
+    s = fp16(0);
+    c = _mm512_setzero_ps();
+  } else if constexpr (T == QType::Q6_K) {
+    s = _mm512_mul_ps(fp16(0), bytes(32 + 16 * sub));
+    c = _mm512_mul_ps(s, _mm512_set1_ps(-160.f));
+  } else {  // Q4_K, Q5_K
+    s = _mm512_mul_ps(fp16(0), bytes(64 + 16 * sub));
+    c = _mm512_fnmsub_ps(s, _mm512_set1_ps(128.f), _mm512_mul_ps(fp16(32), bytes(192 + 16 * sub)));
+  }
+}
+
+// One tile: out[0:MR][NG * 16] = x[0:MR] . w over groups g0 .. g0 + NG - 1 of a panel
+// of G groups starting at w; xs: each row's sum over each scale unit (row stride ldxs).
+// Each (row, group) keeps two sums in a scale unit, of the even and of the odd pairs: one
+// row has too few independent sums to hide the dot product's latency otherwise.
+template <QType T, int MR, int NG>
+void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
+             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
+  using F = Format<T>;
+  constexpr int kRuns = 4 / F::kSubs;  // runs per scale unit
+  const int64_t ahead = prefetch_distance<T>(G);
+  __m512 acc[MR][NG];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * G * kGroupBlock<T>;
+    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
+    for (int i = 0; i < kUnits<T>; ++i) {
+      const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
+      const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
+#pragma GCC unroll 2
+      for (int h = 0; h < F::kSubs; ++h) {
+        __m512 part[MR][NG], part_odd[MR][NG];  // x . q' over the even, odd pairs
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+          for (int g = 0; g < NG; ++g) part[m][g] = part_odd[m][g] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+          __m512bh q[NG][4];
+#pragma GCC unroll 16
+          for (int g = 0; g < NG; ++g) decode512<T>(units + g * F::kUnit, u, q[g]);
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; ++s) {
+              int32_t pair;  // x[m] at pair 4u + s of the unit
+              std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
+              const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 16
+              for (int g = 0; g < NG; ++g) {
+                if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q[g][s], xv);
+                else part[m][g] = _mm512_dpbf16_ps(part[m][g], q[g][s], xv);
+              }
+            }
+          }
+        }
+        const int sub = i * F::kSubs + h;
+#pragma GCC unroll 16
+        for (int g = 0; g < NG; ++g) {
+          __m512 s, c;
+          scales512<T>(blk + (g0 + g) * F::kHeader, sub, s, c);
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) {
+            const __m512 sum = _mm512_add_ps(part[m][g], part_odd[m][g]);
+            acc[m][g] = _mm512_fmadd_ps(sum, s, acc[m][g]);
+            if constexpr (F::kOffset)
+              acc[m][g] = _mm512_fmadd_ps(
+                  _mm512_set1_ps(xs[m * ldxs + b * kUnits<T> * F::kSubs + sub]), c, acc[m][g]);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + m * NG * kGroup + g * kGroup, acc[m][g]);
+}
+
+// Each row's sum over each scale unit of `width` inputs.
+void unit_sums512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
+                  float* sums) {
+  const int64_t per_row = K / width;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < per_row; ++j) {
+      const at::BFloat16* p = x + m * ldx + j * width;
+      __m512 v = pagedllm::load16(p);
+      if (width == 32) v = _mm512_add_ps(v, pagedllm::load16(p + 16));
+      sums[m * per_row + j] = _mm512_reduce_add_ps(v);
+    }
+}
+#endif  // GGUF_AVX512
+
+// ---- AVX2 + FMA + F16C -----------------------------------------------------------------
+#if defined(GGUF_AVX2)
+inline __m256i bits_to_4_avx2(__m256i v, int from) {
+  return from >= 4 ? _mm256_srli_epi16(v, from - 4) : _mm256_slli_epi16(v, 4 - from);
+}
+
+// q' of pair 4u + s of a group's unit, outputs 8 half .. 8 half + 7, as fp32: e0 of each
+// pair's first element, e1 of its second.
+template <QType T>
+inline void decode256(const uint8_t* unit, int u, int s, int half, __m256& e0, __m256& e1) {
+  if constexpr (T == QType::Q8_0) {
+    const __m256i words = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + (4 * u + s) * 32 + 16 * half)));
+    e0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 16));
+    e1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(words, 16));
+  } else {
+    const __m256i words =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + u * 64 + half * 32));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(words, 4 * s), _mm256_set1_epi16(0x0F));
+    if constexpr (T == QType::Q5_K) {
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256 + half * 32));
+      q = _mm256_or_si256(q, _mm256_and_si256(bits_to_4_avx2(plane, 4 * u + s), _mm256_set1_epi16(0x10)));
+    } else if constexpr (T == QType::Q6_K) {
+      const __m256i plane = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(unit + 256 + u / 2 * 64 + half * 32));
+      q = _mm256_or_si256(q, _mm256_and_si256(bits_to_4_avx2(plane, 2 * (4 * (u % 2) + s)),
+                                              _mm256_set1_epi16(0x30)));
+    }
+    // the bf16 words of 128 + q, each the high half of its fp32
+    const __m256i bf = _mm256_or_si256(q, _mm256_set1_epi16(0x4300));
+    e0 = _mm256_castsi256_ps(_mm256_slli_epi32(bf, 16));
+    e1 = _mm256_castsi256_ps(_mm256_and_si256(bf, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+template <QType T>
+inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m256& c) {
+  auto fp16 = [&](int64_t at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + at + 16 * half)));
+  };
+  auto bytes = [&](int64_t at) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header + at + 8 * half));
+    return _mm256_cvtepi32_ps(T == QType::Q6_K ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  };
+  if constexpr (T == QType::Q4_0) {
+    s = fp16(0);
+    c = _mm256_mul_ps(s, _mm256_set1_ps(-136.f));
+  } else if constexpr (T == QType::Q4_1) {
+    s = fp16(0);
+    c = _mm256_fnmadd_ps(s, _mm256_set1_ps(128.f), fp16(32));
+  } else if constexpr (T == QType::Q8_0) {
+    s = fp16(0);
+    c = _mm256_setzero_ps();
+  } else if constexpr (T == QType::Q6_K) {
+    s = _mm256_mul_ps(fp16(0), bytes(32 + 16 * sub));
+    c = _mm256_mul_ps(s, _mm256_set1_ps(-160.f));
+  } else {
+    s = _mm256_mul_ps(fp16(0), bytes(64 + 16 * sub));
+    c = _mm256_fnmsub_ps(s, _mm256_set1_ps(128.f), _mm256_mul_ps(fp16(32), bytes(192 + 16 * sub)));
+  }
+}
+
+// The AVX-512 tile's sums with fp32 FMAs, from x widened to fp32 (xf, row stride K). Each
+// (row, group, half) sums a scale unit's pairs in order, its first and second elements in
+// turn, in one chain.
+template <QType T, int MR, int NG>
+void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
+             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
+  using F = Format<T>;
+  constexpr int kRuns = 4 / F::kSubs;
+  const int64_t ahead = prefetch_distance<T>(G);
+  __m256 acc[MR][NG][2];
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * G * kGroupBlock<T>;
+    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
+    for (int i = 0; i < kUnits<T>; ++i) {
+      const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
+      const float* xu = xf + b * F::kBlock + i * kUnitInputs;
+      for (int h = 0; h < F::kSubs; ++h) {
+        __m256 part[MR][NG][2];
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+          for (int g = 0; g < NG; ++g) part[m][g][0] = part[m][g][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 2
+              for (int half = 0; half < 2; ++half) {
+                __m256 e0, e1;
+                decode256<T>(units + g * F::kUnit, u, s, half, e0, e1);
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; ++m) {
+                  const float* xp = xu + m * ldx + 8 * u + 2 * s;
+                  part[m][g][half] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp), e0, part[m][g][half]);
+                  part[m][g][half] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + 1), e1, part[m][g][half]);
+                }
+              }
+            }
+          }
+        }
+        const int sub = i * F::kSubs + h;
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 2
+          for (int half = 0; half < 2; ++half) {
+            __m256 s, c;
+            scales256<T>(blk + (g0 + g) * F::kHeader, sub, half, s, c);
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {
+              acc[m][g][half] = _mm256_fmadd_ps(part[m][g][half], s, acc[m][g][half]);
+              if constexpr (F::kOffset)
+                acc[m][g][half] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(xs[m * ldxs + b * kUnits<T> * F::kSubs + sub]), c, acc[m][g][half]);
+            }
+          }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < NG; ++g)
+      for (int half = 0; half < 2; ++half)
+        _mm256_storeu_ps(out + m * NG * kGroup + g * kGroup + 8 * half, acc[m][g][half]);
+}
+
+// x widened to fp32 (row stride K) and each row's sum over each scale unit, in order.
+void widen_and_sum256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
+                      float* xf, float* sums) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < K; j += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + m * ldx + j));
+      _mm256_storeu_ps(xf + m * K + j,
+                       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    for (int64_t j = 0; j < K / width; ++j) {
+      float sum = 0.f;
+      for (int64_t e = 0; e < width; ++e) sum += xf[m * K + j * width + e];
+      sums[m * (K / width) + j] = sum;
+    }
+  }
+}
+#endif  // GGUF_AVX2
+
+// Which path gguf_linear takes: the best built, unless tests asked for AVX2.
+std::atomic<bool> force_avx2{false};
+
+enum class Isa { kNone, kAvx2, kAvx512 };
+Isa current_isa() {
+#if defined(GGUF_AVX512)
+  if (!force_avx2.load()) return Isa::kAvx512;
+#endif
+#if defined(GGUF_AVX2)
+  return Isa::kAvx2;
+#else
+  return Isa::kNone;
+#endif
+}
+
+// y[:, :n] = x . w^T from the packed weight: work items are (chunk of rows, panel) up to
+// kFewRows rows, else (chunk, half a panel: 2 groups), split between the threads.
+template <QType T, typename Out>
+void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t ldy, Isa isa) {
+  using F = Format<T>;
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const Shape sh = shape_of<T>(n, K);
+  const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  std::vector<float> sums(M * per_row), xf;
+#if defined(GGUF_AVX2)
+  if (isa == Isa::kAvx2) {
+    xf.resize(M * K);
+    widen_and_sum256(xp, ldx, M, K, width, xf.data(), sums.data());
+  }
+#endif
+#if defined(GGUF_AVX512)
+  if (isa == Isa::kAvx512) unit_sums512(xp, ldx, M, K, width, sums.data());
+#endif
+  const bool few = M <= kFewRows;
+  const int64_t items_per_chunk = few ? sh.panels : sh.groups / 2;
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  at::parallel_for(0, chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[4 * 2 * kGroup];  // one tile's sums: 4 x 2 groups at most
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m0 = i / items_per_chunk * kChunkRows, item = i % items_per_chunk;
+      const int64_t rows = std::min(kChunkRows, M - m0);
+      const int64_t panel = few ? item : item / 2;
+      const int64_t G = sh.groups_in(panel), g0 = few ? 0 : item % 2 * 2;
+      const int64_t NG = few ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
+      const int64_t cols = std::min(NG * kGroup, n - col0);
+      const uint8_t* w = packed + panel * sh.panel_bytes;
+      const float* xs = sums.data() + m0 * per_row;
+      // Rows in tiles of MR rows (tile), the rows left over one at a time (one_row): the
+      // same sums in the same order, MR only sets how many rows share each weight load.
+      auto each_tile = [&](int64_t MR, auto&& tile, auto&& one_row) {
+        for (int64_t m = 0; m < rows;) {
+          const int64_t r = MR > 1 && rows - m >= MR ? MR : 1;
+          if (r > 1) tile(m, out);
+          else one_row(m, out);
+          for (int64_t j = 0; j < r; ++j)
+            store_row(y + (m0 + m + j) * ldy + col0, out + j * NG * kGroup, cols);
+          m += r;
+        }
+      };
+#if defined(GGUF_AVX512)
+      if (isa == Isa::kAvx512) {
+        const at::BFloat16* xr = xp + m0 * ldx;
+        auto four = [&](int64_t m, float* o) {
+          tile512<T, 4, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+        };
+        auto one = [&](int64_t m, float* o) {
+          if (NG == 4)
+            tile512<T, 1, 4>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+          else
+            tile512<T, 1, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
+        };
+        each_tile(few ? 1 : 4, four, one);
+      }
+#endif
+#if defined(GGUF_AVX2)
+      if (isa == Isa::kAvx2) {
+        const float* xr = xf.data() + m0 * K;
+        // out's rows are NG groups wide; the AVX2 tiles take 2 groups at a time.
+        auto tile = [&]<int MR>(int64_t m, float* o) {
+          for (int64_t g = 0; g < NG; g += 2) {
+            alignas(64) float part[MR * 2 * kGroup];
+            tile256<T, MR, 2>(xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
+            for (int64_t j = 0; j < MR; ++j)
+              std::memcpy(o + j * NG * kGroup + g * kGroup, part + j * 2 * kGroup, 2 * kGroup * sizeof(float));
+          }
+        };
+        each_tile(few ? 1 : 2, [&](int64_t m, float* o) { tile.template operator()<2>(m, o); },
+                  [&](int64_t m, float* o) { tile.template operator()<1>(m, o); });
+      }
+#endif
+    }
+  });
+}
+
+template <QType T>
+int64_t packed_nbytes(int64_t n, int64_t k) {
+  const Shape sh = shape_of<T>(n, k);
+  return sh.groups * sh.blocks * kGroupBlock<T>;
+}
+
+// Calls f.template operator()<T>() for the run-time type (a TORCH_CHECK error for others).
+template <typename Fn>
+auto dispatch(int64_t qtype, Fn&& f) {
+  switch (static_cast<QType>(qtype)) {
+    case QType::Q4_0: return f.template operator()<QType::Q4_0>();
+    case QType::Q4_1: return f.template operator()<QType::Q4_1>();
+    case QType::Q8_0: return f.template operator()<QType::Q8_0>();
+    case QType::Q4_K: return f.template operator()<QType::Q4_K>();
+    case QType::Q5_K: return f.template operator()<QType::Q5_K>();
+    case QType::Q6_K: return f.template operator()<QType::Q6_K>();
+  }
+  TORCH_CHECK(false, "gguf_linear: ggml type ", qtype,
+              " is not one the kernel takes (Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+}
+
+// The packed weight checked against its type and shape (K from x or given).
+template <QType T>
+void check_packed(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(n > 0 && k > 0 && k % Format<T>::kBlock == 0, "gguf_linear: a weight [", n, ", ", k,
+              "] of this type needs K a multiple of ", Format<T>::kBlock);
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == packed_nbytes<T>(n, k),
+              "gguf_linear: packed must be pack_gguf's uint8 tensor for this type and [", n, ", ",
+              k, "] (", packed_nbytes<T>(n, k), " bytes), got ", packed.scalar_type(), " ",
+              packed.sizes());
+}
+
+// The exact weight of output r at input j from the packed form (fp32 in gguf's order of
+// operations, so equal to gguf.quants.dequantize bit for bit).
+template <QType T>
+float packed_weight(const uint8_t* packed, const Shape& sh, int64_t r, int64_t j) {
+  using F = Format<T>;
+  const int64_t group = r / kGroup, o = r % kGroup, panel = group / kPanelGroups;
+  const int64_t G = sh.groups_in(panel), gp = group % kPanelGroups;
+  const int64_t b = j / F::kBlock, i = j % F::kBlock / kUnitInputs, p = j % kUnitInputs / 2,
+                e = j % 2;
+  const uint8_t* blk = packed + panel * sh.panel_bytes + b * G * kGroupBlock<T>;
+  const uint8_t* header = blk + gp * F::kHeader;
+  const uint8_t* unit = blk + G * F::kHeader + (i * G + gp) * F::kUnit;
+  auto word = [&](int64_t at) {
+    uint16_t v;
+    std::memcpy(&v, unit + at + 2 * (2 * o + e), 2);
+    return v;
+  };
+  auto half = [&](int64_t at) {
+    return static_cast<float>(c10::Half(
+        static_cast<uint16_t>(header[at + 2 * o] | header[at + 2 * o + 1] << 8), c10::Half::from_bits()));
+  };
+  if constexpr (T == QType::Q8_0)
+    return static_cast<float>(static_cast<int8_t>(unit[p * 32 + 2 * o + e])) * half(0);
+  int q = word(p / 4 * 64) >> (4 * (p % 4)) & 0xF;
+  if constexpr (T == QType::Q5_K) q |= (word(256) >> p & 1) << 4;
+  if constexpr (T == QType::Q6_K) q |= (word(256 + p / 8 * 64) >> (2 * (p % 8)) & 3) << 4;
+  if constexpr (T == QType::Q4_0) return static_cast<float>(q - 8) * half(0);
+  if constexpr (T == QType::Q4_1) return static_cast<float>(q) * half(0) + half(32);
+  if constexpr (T == QType::Q6_K) {
+    const int sub = i * 2 + p / 8;
+    return half(0) * static_cast<float>(static_cast<int8_t>(header[32 + 16 * sub + o])) *
+           static_cast<float>(q - 32);
+  }
+  // Q4_K, Q5_K: (d sc) q - dmin mn
+  const float scale = half(0) * static_cast<float>(header[64 + 16 * i + o]);
+  const float min = half(32) * static_cast<float>(header[192 + 16 * i + o]);
+  return scale * static_cast<float>(q) - min;
+}
+
+}  // namespace
+
+namespace pagedllm {
+
+std::string gguf_linear_isa() {
+  switch (current_isa()) {
+    case Isa::kAvx512: return "avx512_bf16";
+    case Isa::kAvx2: return "avx2";
+    default: return "";
+  }
+}
+
+void force_gguf_linear_isa(const std::string& isa) {
+  TORCH_CHECK(isa.empty() || isa == "avx2", "force_gguf_linear_isa: \"avx2\" or \"\", got \"", isa, "\"");
+  force_avx2 = isa == "avx2";
+}
+
+int64_t gguf_packed_nbytes(int64_t qtype, int64_t n, int64_t k) {
+  return dispatch(qtype, [&]<QType T>() { return packed_nbytes<T>(n, k); });
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
+                       const c10::optional<at::Tensor>& out, bool fp32_out) {
+  const Isa isa = current_isa();
+  TORCH_CHECK(isa != Isa::kNone, "gguf_linear: this build has neither AVX512-BF16 nor AVX2+FMA+F16C");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "gguf_linear: x must be bf16 [M, K], got ", x.scalar_type(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  dispatch(qtype, [&]<QType T>() { check_packed<T>(packed, n, K); return 0; });
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const auto dtype = fp32_out ? at::kFloat : at::kBFloat16;
+  at::Tensor y;
+  if (out.has_value()) {
+    y = *out;
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) >= n && y.stride(1) == 1 &&
+                    y.scalar_type() == dtype,
+                "gguf_linear: out must be ", dtype, " [", M, ", >= ", n,
+                "] with unit column stride, got ", y.scalar_type(), " ", y.sizes(), " strides ",
+                y.strides());
+  } else {
+    y = at::empty({M, n}, x.options().dtype(dtype));
+  }
+  if (M == 0) return out.has_value() ? y.narrow(1, 0, n) : y;
+  dispatch(qtype, [&]<QType T>() {
+    if (fp32_out) run<T>(xc, packed.data_ptr<uint8_t>(), n, y.data_ptr<float>(), y.stride(0), isa);
+    else run<T>(xc, packed.data_ptr<uint8_t>(), n, y.data_ptr<at::BFloat16>(), y.stride(0), isa);
+    return 0;
+  });
+  return out.has_value() ? y.narrow(1, 0, n) : y;
+}
+
+at::Tensor gguf_dequantize_rows(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
+                                const at::Tensor& rows) {
+  dispatch(qtype, [&]<QType T>() { check_packed<T>(packed, n, k); return 0; });
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong,
+              "gguf_dequantize_rows: rows must be a 1-D int64 tensor");
+  const at::Tensor r = rows.contiguous();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.numel(); ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < n, "gguf_dequantize_rows: row ", rp[i], " outside 0..", n - 1);
+  at::Tensor w = at::empty({r.numel(), k}, packed.options().dtype(at::kFloat));
+  float* wp = w.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  dispatch(qtype, [&]<QType T>() {
+    const Shape sh = shape_of<T>(n, k);
+    for (int64_t i = 0; i < r.numel(); ++i)
+      for (int64_t j = 0; j < k; ++j) wp[i * k + j] = packed_weight<T>(pp, sh, rp[i], j);
+    return 0;
+  });
+  return w;
+}
+
+}  // namespace pagedllm
