@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class GGUFWeight:
     """A 2-D quantized weight [rows, cols] in HF row order: `data` is uint8 [rows, bytes per
     row], each row its cols / block_size blocks as in the file. It splits by rows the way a
-    tensor does (split, chunk, narrow on dim 0), so model code that cuts a fused checkpoint
+    tensor does (split, chunk), so model code that cuts a fused checkpoint
     tensor into its parts (Phi-3's qkv) cuts it as well; `dequantize` gives the weight."""
 
     qtype: GGMLQuantizationType
@@ -47,12 +47,6 @@ class GGUFWeight:
 
     def _rows(self, start: int, length: int) -> GGUFWeight:
         return GGUFWeight(self.qtype, self.data[start:start + length], self.cols)
-
-    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
-        if dim != 0:
-            raise ValueError("a GGUF weight can only be cut into rows (its blocks run "
-                             "along a row)")
-        return self._rows(start, length)
 
     def split(self, sizes: list[int]) -> list[GGUFWeight]:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
