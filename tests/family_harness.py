@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 
 from gguf_from_hf import MetadataHook, quantize_weights, write_gguf
@@ -158,6 +159,51 @@ SETTINGS: dict[str, Callable[[Built], dict[str, Any]]] = {
     # 13-token chunks: their edges fall inside the 8-16 token windows
     "chunked": lambda b: dict(max_num_batched_tokens=13, max_num_seqs=4, max_model_len=256),
 }
+
+
+# the settings every family's greedy replies are checked under (the first in the fast tier)
+SETTING_CASES = ["prefix-cache", *(pytest.param(name, marks=pytest.mark.slow)
+                                   for name in SETTINGS if name != "prefix-cache")]
+# (Built, the prompts' token ids, HF's greedy replies) of a family, by name
+Case = tuple[Built, list[list[int]], list[list[int]]]
+
+
+def models_fixture(families: dict[str, Family], root_name: str) -> Callable[..., Any]:
+    """A module-scoped fixture `models`: models(name) builds the family's model once per
+    module (on first use) and returns its Case."""
+    @pytest.fixture(scope="module")
+    def models(tmp_path_factory) -> Callable[[str], Case]:
+        pytest.importorskip("transformers")
+        root = tmp_path_factory.mktemp(root_name)
+        cache: dict[str, Case] = {}
+
+        def get(name: str) -> Case:
+            if name not in cache:
+                built = build(families[name], root)
+                prompts = prompt_ids(LLM(str(built.hf_dir), dtype="float32",
+                                         kv_cache_memory_bytes=4 * 2**20))
+                cache[name] = built, prompts, hf_greedy(built.hf, prompts)
+            return cache[name]
+
+        return get
+
+    return models
+
+
+def assert_logits_match_hf(case: Case, fmt: str) -> None:
+    """fp32 logits of every prompt position within 1e-4 of HF's."""
+    built, prompts, _ = case
+    llm = LLM(built.path(fmt), dtype="float32", kv_cache_memory_bytes=32 * 2**20)
+    assert max_logit_error(llm, built.hf, prompts) < 1e-4
+
+
+def assert_greedy_matches_hf(case: Case, fmt: str, setting: str) -> None:
+    """fp32 greedy replies, all prompts in one generate call, equal HF's token for token."""
+    built, prompts, reference = case
+    _, outs = run_engine(built, fmt, setting, prompts)
+    for ids, out, ref in zip(prompts, outs, reference):
+        assert out.token_ids == ref, (f"{built.family.name} prompt {ids[:6]}...: "
+                                      f"ours {out.token_ids} vs HF {ref}")
 
 
 def run_engine(built: Built, fmt: str, setting: str, prompts: list[list[int]]) -> tuple[LLM, list]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from family_harness import (Built, Family, assert_beam_search_equals_hf, assert_bf16_close,
-                            assert_tp2_equals_hf, build, greedy, hf_greedy, max_logit_error,
-                            prompt_ids, run_engine)
+from family_harness import (Family, SETTING_CASES, assert_beam_search_equals_hf, assert_bf16_close,
+                            assert_greedy_matches_hf, assert_logits_match_hf, assert_tp2_equals_hf,
+                            build, greedy, hf_greedy, models_fixture, prompt_ids)
 from pagedllm import LLM
 from pagedllm.loader import load_model_source
 
@@ -46,45 +46,20 @@ FAMILIES = {f.name: f for f in [
 ]}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("families")
-    cache: dict[str, tuple[Built, list, list]] = {}
-
-    def get(name: str) -> tuple[Built, list[list[int]], list[list[int]]]:
-        if name not in cache:
-            built = build(FAMILIES[name], root)
-            prompts = prompt_ids(LLM(str(built.hf_dir), dtype="float32",
-                                     kv_cache_memory_bytes=4 * 2**20))
-            cache[name] = built, prompts, hf_greedy(built.hf, prompts)
-        return cache[name]
-
-    return get
+models = models_fixture(FAMILIES, "families")
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_hf(models, family, fmt):
-    built, prompts, _ = models(family)
-    llm = LLM(built.path(fmt), dtype="float32", kv_cache_memory_bytes=32 * 2**20)
-    assert max_logit_error(llm, built.hf, prompts) < 1e-4
+    assert_logits_match_hf(models(family), fmt)
 
 
-@pytest.mark.parametrize("setting", [
-    "prefix-cache",
-    pytest.param("no-prefix-cache", marks=pytest.mark.slow),
-    pytest.param("preempt", marks=pytest.mark.slow),
-    pytest.param("swap", marks=pytest.mark.slow),
-    pytest.param("chunked", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize("setting", SETTING_CASES)
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_hf(models, family, fmt, setting):
-    built, prompts, reference = models(family)
-    _, outs = run_engine(built, fmt, setting, prompts)
-    for ids, out, ref in zip(prompts, outs, reference):
-        assert out.token_ids == ref, f"{family} prompt {ids[:6]}...: ours {out.token_ids} vs HF {ref}"
+    assert_greedy_matches_hf(models(family), fmt, setting)
 
 
 @pytest.mark.slow
