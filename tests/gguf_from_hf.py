@@ -16,7 +16,6 @@ import torch
 
 from pagedllm.loader import default_model_path
 from pagedllm.loader.gguf_loader import open_gguf
-from pagedllm.loader.gguf_metadata import read_metadata
 
 # a family's hook: (writer, HF config) -> None, for metadata beyond the common keys
 MetadataHook = Callable[[gguf.GGUFWriter, Any], None]
@@ -92,7 +91,7 @@ def llama_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 def add_bundled_tokenizer(writer: gguf.GGUFWriter) -> None:
     """The bundled SmolLM2 GGUF's tokenizer and chat template (the HF directories the tests
     save use the same tokenizer)."""
-    meta = read_metadata(open_gguf(default_model_path()))
+    meta = open_gguf(default_model_path()).metadata
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     writer.add_token_list(meta["tokenizer.ggml.tokens"])

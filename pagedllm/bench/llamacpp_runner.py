@@ -55,8 +55,8 @@ def server_version(binary: str) -> str:
 def gguf_tensor_bytes(path: str) -> int:
     """The bytes of a GGUF's tensors, as stored (quantized or not): what llama.cpp reads for
     a token (a tied embedding is its output matrix)."""
-    from gguf import GGUFReader
-    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    from pagedllm.loader.gguf_file import read_gguf
+    return sum(t.n_bytes for t in read_gguf(path).tensors)
 
 
 class LlamaCppRunner:

@@ -27,7 +27,6 @@ from gguf import MODEL_TENSOR as MT
 
 from pagedllm.loader import default_model_path
 from pagedllm.loader.gguf_loader import open_gguf
-from pagedllm.loader.gguf_metadata import read_metadata
 
 GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 # each file type's base tensor type and llama.cpp's file type code (general.file_type)
@@ -236,7 +235,7 @@ def _chunks(plan: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
 @functools.cache
 def _bundled_tokenizer() -> dict[str, Any]:
     """The bundled SmolLM2 GGUF's tokenizer.* and chat template metadata (read once)."""
-    meta = read_metadata(open_gguf(default_model_path()))
+    meta = open_gguf(default_model_path()).metadata
     return {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
 
 

@@ -21,15 +21,14 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from pagedllm.models.config import ModelConfig, pattern_layer_types
 from pagedllm.models.registry import GGUF_ARCHITECTURES, SLIDING_WINDOW_PATTERNS
 
 from .dequant import dequantize, quantized_rows
 from .errors import ModelLoadError, naming_errors
-from .gguf_header import scan_gguf
-from .gguf_metadata import read_metadata
+from .gguf_file import GGUFFile, read_gguf
 from .gguf_tokenizer import tokenizer_from_gguf
 from pagedllm.layers.quantized import GGUFWeight
 from .source import ModelSource
@@ -104,7 +103,7 @@ def load_gguf(path: str) -> ModelSource:
             architecture, missing required metadata, or tensors we cannot map.
     """
     reader = open_gguf(path)
-    metadata = read_metadata(reader, path)
+    metadata = reader.metadata
     check_metadata_types(metadata, path)
     _reject_split_files(metadata, path)
     with naming_errors(path, "invalid model hyper-parameters"):
@@ -128,19 +127,13 @@ def load_gguf(path: str) -> ModelSource:
                        tensor_types=frozenset(t for t, _, _ in sizes), tensor_sizes=sizes)
 
 
-def open_gguf(path: str) -> GGUFReader:
-    """A ``GGUFReader`` on ``path``, with every way that can fail turned into ModelLoadError."""
+def open_gguf(path: str) -> GGUFFile:
+    """The GGUF file at ``path``, parsed (every way that can fail is a ModelLoadError)."""
     if not os.path.exists(path):
         raise ModelLoadError(f"model file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ModelLoadError(f"model path {path!r} is not a file")
-    scan_gguf(path)  # gguf-py trusts declared lengths: it can loop or allocate without end
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError, IndexError, KeyError... on bad input
-        raise ModelLoadError(
-            f"{path!r} is not a valid GGUF file (wrong magic, truncated or corrupt): "
-            f"{type(exc).__name__}: {exc}") from exc
+    return read_gguf(path)
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
@@ -255,7 +248,7 @@ def _require_positive(metadata: dict[str, Any], key: str, path: str) -> int:
     return value
 
 
-def config_from_metadata(metadata: dict[str, Any], reader: GGUFReader, path: str) -> ModelConfig:
+def config_from_metadata(metadata: dict[str, Any], reader: GGUFFile, path: str) -> ModelConfig:
     """The ModelConfig a GGUF file's metadata (and tensor list) describes."""
     arch = _require(metadata, "general.architecture", path)
     if arch == "clip":
@@ -397,7 +390,7 @@ def _vocab_size(metadata: dict[str, Any], arch: str, path: str) -> int:
 
 # ============================================================================ rope scaling
 
-def _rope_scaling(metadata: dict[str, Any], arch: str, reader: GGUFReader, path: str) -> dict[str, Any] | None:
+def _rope_scaling(metadata: dict[str, Any], arch: str, reader: GGUFFile, path: str) -> dict[str, Any] | None:
     """HF-style rope scaling from ``{arch}.rope.scaling.*`` keys or a ``rope_freqs`` tensor."""
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
@@ -487,7 +480,7 @@ def llama3_rope_divisors(scaling: dict[str, Any], theta: float, dim: int) -> tor
 
 # ============================================================================ weights
 
-def _hf_names(reader: GGUFReader, arch: str, path: str) -> dict[str, str | None]:
+def _hf_names(reader: GGUFFile, arch: str, path: str) -> dict[str, str | None]:
     """GGUF tensor name -> HF name (None for tensors only used for the config)."""
     names: dict[str, str | None] = {}
     for tensor in reader.tensors:
@@ -513,10 +506,10 @@ def _split_experts(hf_name: str, shape: tuple[int, ...], config: ModelConfig,
 
 def _hf_shape(tensor: Any) -> tuple[int, ...]:
     """A GGUF tensor's logical shape in HF (row-major) order: GGUF's ``ne`` reversed."""
-    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return tuple(int(d) for d in reversed(tensor.shape))
 
 
-def _iter_weights(reader: GGUFReader, names: dict[str, str | None], config: ModelConfig,
+def _iter_weights(reader: GGUFFile, names: dict[str, str | None], config: ModelConfig,
                   dtype: torch.dtype, path: str, keep: frozenset[GGMLQuantizationType]
                   ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     for tensor in reader.tensors:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from pagedllm.tokenizer import Tokenizer
 
 from .errors import ModelLoadError
-from .gguf_metadata import read_metadata
+from .gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +59,13 @@ _IGNORE_MERGES_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "p
 SPIECE_UNDERLINE = "\u2581"
 
 
-def tokenizer_from_gguf(source: GGUFReader | Mapping[str, Any]) -> Tokenizer:
+def tokenizer_from_gguf(source: GGUFFile | Mapping[str, Any]) -> Tokenizer:
     """Build the tokenizer a GGUF file describes.
 
     Args:
-        source: a ``gguf.GGUFReader`` or its metadata already decoded to Python values
-            (see ``pagedllm.loader.gguf_metadata.read_metadata``).
+        source: the file (``gguf_file.read_gguf``) or its metadata.
     """
-    metadata = source if isinstance(source, Mapping) else read_metadata(source)
+    metadata = source if isinstance(source, Mapping) else source.metadata
     tokens: list[str] | None = metadata.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")

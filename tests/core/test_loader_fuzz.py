@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.loader import ModelLoadError, load_model_source
-from pagedllm.loader.gguf_header import scan_gguf_bytes
+from pagedllm.loader.gguf_file import parse_gguf_bytes
 from pagedllm.loader.gguf_loader import gguf_to_hf_name
 from pagedllm.sampling_params import SamplingParams
 from tiny_models import write_tiny_llama_gguf
@@ -173,7 +173,7 @@ def work_dir(tmp_path_factory) -> Path:
 
 def test_seed_gguf_loads_and_serves(gguf_seed, work_dir):
     path = _write(work_dir, gguf_seed, "seed.gguf")
-    scan_gguf_bytes(gguf_seed)
+    parse_gguf_bytes(gguf_seed)
     load_and_serve(path)
     assert load_model_source(str(path)).config.num_hidden_layers == 2
 

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers, trainers
 
 from pagedllm.loader import ModelLoadError
+from pagedllm.loader.gguf_file import read_gguf
 from pagedllm.loader.gguf_tokenizer import tokenizer_from_gguf
 from pagedllm.loader.hf_tokenizer import tokenizer_from_hf_dir
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -70,7 +71,7 @@ def _bundled_dir() -> str:
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return tokenizer_from_gguf(gguf.GGUFReader(os.path.join(_bundled_dir(), GGUF_NAME)))
+    return tokenizer_from_gguf(read_gguf(os.path.join(_bundled_dir(), GGUF_NAME)))
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +286,7 @@ def test_byte_level_pre_tokenizers_match_hf(tmp_path, small_byte_level_vocab, pr
     tokens, types, merges = small_byte_level_vocab
     path = tmp_path / "vocab.gguf"
     _write_vocab_gguf(path, "gpt2", tokens, types, pre=pre, merges=merges, add_bos=(pre == "llama-bpe"))
-    ours = tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+    ours = tokenizer_from_gguf(read_gguf(str(path)))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="vocab.gguf")
     for text in PROBES:
         assert ours.encode(text) == hf.encode(text), (pre, text)
@@ -302,7 +303,7 @@ def test_sentencepiece_gguf_matches_hf(tmp_path):
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
     path = tmp_path / "spm.gguf"
     _write_vocab_gguf(path, "llama", tokens, types, scores=scores)
-    ours = tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+    ours = tokenizer_from_gguf(read_gguf(str(path)))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     for text in ["hello world", " hello  the world", "héllo wörld 🙂", "the\nworld</s>"]:
         assert ours.encode(text) == hf.encode(text), text
@@ -314,4 +315,4 @@ def test_unsupported_tokenizer_model(tmp_path):
     path = tmp_path / "bert.gguf"
     _write_vocab_gguf(path, "bert", ["[PAD]", "[CLS]", "[SEP]"], [3, 3, 3])
     with pytest.raises(ModelLoadError, match="'bert' is not supported"):
-        tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+        tokenizer_from_gguf(read_gguf(str(path)))
