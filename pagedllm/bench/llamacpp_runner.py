@@ -6,6 +6,7 @@ n_predict = output length and ignore_eos, so it produces exactly the tokens the 
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from pagedllm.bench.results import LatencyRun, ThroughputRun
 from pagedllm.bench.workloads import BenchRequest, Workload
 from pagedllm.utils import cdiv
 
-__all__ = ["LlamaCppRunner", "gguf_for_dtype"]
+__all__ = ["LlamaBenchRunner", "LlamaCppRunner", "gguf_for_dtype"]
 
 _KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -164,3 +165,67 @@ class LlamaCppRunner:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def default_llama_bench(server: str | None) -> str | None:
+    """The llama-bench beside the llama-server in use (scripts/build_llamacpp.sh builds both)."""
+    if server is None:
+        return None
+    path = os.path.join(os.path.dirname(server), "llama-bench")
+    return path if os.access(path, os.X_OK) else None
+
+
+class LlamaBenchRunner:
+    """llama.cpp's own `llama-bench` on the latency request: its best single-stream figures,
+    with no HTTP, tokenizer or sampling thread sharing the cores (llama-server's streamed
+    decode runs at about half the rate on 2 cores). Time to first token: the prompt at its
+    prompt-processing rate (`-p P -n 0`); decode: `-n N` generated on a context of P tokens
+    (`-d P`), each iteration one of its samples. Latency only: it serves no requests."""
+
+    engine = "llama-bench"
+
+    def __init__(self, binary: str, gguf: str, dtype: str, threads: int,
+                 user_gguf: bool = False) -> None:
+        if dtype not in _KV_TYPES:
+            raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r}")
+        self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
+        self.user_gguf = user_gguf
+        self._version = server_version(binary)
+
+    def _samples(self, prompt: int, gen: int, depth: int, iters: int) -> list[float]:
+        """Tokens per second of each repetition of one llama-bench test."""
+        cmd = [self.binary, "-m", self.gguf, "-t", str(self.threads), "-p", str(prompt),
+               "-n", str(gen), "-d", str(depth), "-r", str(iters), "-o", "json",
+               "-ctk", _KV_TYPES[self.dtype], "-ctv", _KV_TYPES[self.dtype]]
+        run = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if run.returncode != 0:
+            raise RuntimeError(f"llama-bench exited with code {run.returncode}: "
+                               f"{' '.join(cmd)}\n{run.stderr[-2000:]}")
+        (test,) = json.loads(run.stdout)
+        return [float(x) for x in test["samples_ts"]]
+
+    def versions(self) -> dict[str, str]:
+        return {"llama.cpp": self._version}
+
+    def settings(self) -> dict:
+        return {"kv_cache_type": _KV_TYPES[self.dtype], "gguf": os.path.basename(self.gguf),
+                **({"label": os.path.basename(self.gguf), "weight_bytes": gguf_tensor_bytes(self.gguf)}
+                   if self.user_gguf else {})}
+
+    def warmup(self, workload: Workload) -> None:
+        """(llama-bench runs its own warm-up before each test.)"""
+
+    def throughput(self, workload: Workload) -> ThroughputRun:
+        raise NotImplementedError("llama-bench measures the latency request only")
+
+    def latency(self, workload: Workload, iters: int) -> LatencyRun:
+        r = workload.requests[0]
+        prefill = self._samples(r.prompt_len, 0, 0, iters)
+        decode = self._samples(0, r.output_len, r.prompt_len, iters)
+        return LatencyRun([r.prompt_len / ts for ts in prefill], decode,
+                          [r.output_len] * len(decode),
+                          settings={"method": f"llama-bench -p {r.prompt_len} -n 0; "
+                                              f"-n {r.output_len} -d {r.prompt_len}"})
+
+    def close(self) -> None:
+        pass

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.hardware import MachineMeasurement, machine_info, measure_machine
-from pagedllm.bench.llamacpp_runner import default_llama_server
+from pagedllm.bench.llamacpp_runner import default_llama_bench, default_llama_server
 from pagedllm.bench.report import (format_bounds, format_machine, format_serving, format_table,
                                    write_chart, write_json)
 from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
@@ -31,7 +31,7 @@ from pagedllm.bench.serve import run_serve
 from pagedllm.config import EngineConfig
 
 WORKLOADS = ("throughput", "latency", "prefix", "serve", "all")
-PEERS = ("hf", "llamacpp")
+PEERS = ("hf", "llamacpp", "llamabench")
 DTYPES = ("float32", "bfloat16")
 # Set by the bench itself, so not taken from the engine flags.
 _BENCH_OWNED = {"dtype", "num_threads", "seed", "enable_prefix_caching"}
@@ -94,7 +94,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--threads", "--num-threads", dest="threads", type=int, default=os.cpu_count() or 1,
                    help="threads of every engine and of the machine measurements (default: all cores)")
     r.add_argument("--compare", type=_csv(PEERS), action="extend", default=[],
-                   help="peers to run on the same token ids: hf, llamacpp (comma-separated)")
+                   help="peers to run on the same token ids: hf, llamacpp (its server), llamabench (llama.cpp's llama-bench, latency only) (comma-separated)")
     r.add_argument("--hf-batch-sizes", type=_csv_ints, default=[8, 32, 64],
                    help="static batch sizes HF transformers tries; the fastest is reported")
     r.add_argument("--llama-server", default=None,
@@ -127,11 +127,15 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
-    if "llamacpp" in args.compare and not args.llama_server:
+    llama = {"llamacpp", "llamabench"} & set(args.compare)
+    if llama and not args.llama_server:
         args.llama_server = default_llama_server()
-    if "llamacpp" in args.compare and not args.llama_server:
-        raise ValueError("--compare llamacpp needs --llama-server PATH (a llama.cpp llama-server binary; "
-                         "scripts/build_llamacpp.sh builds one)")
+    if llama and not args.llama_server:
+        raise ValueError(f"--compare {'/'.join(sorted(llama))} needs --llama-server PATH (a llama.cpp "
+                         f"llama-server binary; llama-bench is taken from beside it; "
+                         f"scripts/build_llamacpp.sh builds both)")
+    if "llamabench" in args.compare and not default_llama_bench(args.llama_server):
+        raise ValueError(f"--compare llamabench: no llama-bench beside {args.llama_server!r}")
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
 
@@ -207,6 +211,8 @@ class Bench:
         for dtype in self.dtypes:
             for engine in engines:
                 for w in self.workloads:
+                    if engine == "llamabench" and w.name != "latency":
+                        continue
                     steps.append(f"{engine} {dtype} {w.name}")
                     if w.name == "prefix" and engine in ("pagedllm", "llamacpp"):
                         steps.append(f"{engine} {dtype} {w.name} (caching off)")
@@ -226,6 +232,8 @@ class Bench:
                     self._run_peer(dtype, lambda: self._hf_runner(dtype))
                 if "llamacpp" in self.args.compare:
                     self._run_llamacpp(dtype)
+                if "llamabench" in self.args.compare and self._has("latency"):
+                    self._run_llama_bench(dtype)
 
     def _step(self, text: str) -> None:
         self.bar.set_description(f"bench: {text}")
@@ -257,6 +265,14 @@ class Bench:
                 ctx, cache_prompt=on, user_gguf=self.args.llama_gguf is not None),
                 workloads=None if on else self._only("prefix"),
                 prefix_label=f"prompt cache {'on' if on else 'off'}")
+
+    def _run_llama_bench(self, dtype: str) -> None:
+        """llama.cpp's llama-bench on the latency request (it serves no other workload)."""
+        from pagedllm.bench.llamacpp_runner import LlamaBenchRunner, gguf_for_dtype
+        gguf = self.args.llama_gguf or gguf_for_dtype(self.model_path, dtype)
+        self._run_peer(dtype, lambda: LlamaBenchRunner(
+            default_llama_bench(self.args.llama_server), gguf, dtype, self.args.threads,
+            user_gguf=self.args.llama_gguf is not None), workloads=self._only("latency"))
 
     def _has(self, name: str) -> bool:
         return any(w.name == name for w in self.workloads)
