@@ -161,6 +161,13 @@ def stack_linear(weight: Tensor, packed: Tensor, parts: list[Tensor], part_types
     return _ext.StackLinear(weight, packed, parts, part_types, part_rows, bias)
 
 
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: list[object],
+                down: list[object], small_rows: int) -> Tensor:
+    """The routed experts of a MoE block for bf16 rows x, each chosen expert run once over
+    its tokens (ops.h moe_experts; experts described by stack_linear)."""
+    return _ext.moe_experts(x, ids, weights, gate_up, down, small_rows)
+
+
 def stack_layer(input_norm: Tensor, post_norm: Tensor, q_norm: Tensor | None,
                 k_norm: Tensor | None, qkv: object, o: object, gate_up: object, down: object,
                 k_cache: Tensor, v_cache: Tensor) -> object:

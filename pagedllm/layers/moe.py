@@ -103,6 +103,10 @@ class FusedMoE(nn.Module):
         self.act_fn = SiluAndMul()
         self.linear: ExpertLinear = F.linear
         self.gguf_gathered: dict[int, dict[str, object]] = {}  # expert -> shard -> GGUFWeight
+        # forward_grouped's C++ path: whether to take it (tests compare it with the loop
+        # here) and its description of the experts, keyed by what it describes
+        self.use_kernel = True
+        self._described: tuple | None = None
 
     def process_weights_after_loading(self) -> None:
         self.linear = select_expert_linear(self.w13)
@@ -190,8 +194,16 @@ class FusedMoE(nn.Module):
         return (weights if self.weights_in_fp32 else weights.to(x.dtype)), ids
 
     def forward_grouped(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Each routed-to expert once, over the rows routed to it."""
+        """Each routed-to expert once, over the rows routed to it: in one C++ call for bf16
+        rows where the kernels run (the same results), else expert by expert here."""
         weights, ids = self._routing(x, router_logits)
+        experts = self._cpu_experts(x)
+        if experts is not None:
+            out = ops.moe_experts(x.contiguous(), ids, weights.float(), *experts,
+                                  probes.small_linear_rows() if probes.has_avx512_bf16() else 0)
+            if self.tp_size > 1:
+                all_reduce(out)
+            return out
         # the (token, expert) pairs sorted by expert: each expert's tokens are a run
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
@@ -210,6 +222,32 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             all_reduce(out)
         return out
+
+    def _cpu_experts(self, x: torch.Tensor) -> tuple[list, list] | None:
+        """Each expert's gate/up and down projections as the C++ kernels take them (described
+        once, again if the weights moved), or None where moe_experts does not apply: not bf16
+        rows on the CPU, no kernels, or fp32 weights (which keep torch's F.linear)."""
+        if not (x.dtype == torch.bfloat16 and x.is_cpu and self.use_kernel and probes.available()):
+            return None
+        if self.gguf_experts is not None:
+            key: tuple = ("gguf", id(self.gguf_experts))
+        elif self.w13.dtype == torch.bfloat16 and self.w13.numel():
+            key = ("bf16", self.w13.data_ptr(), self.w2.data_ptr())
+        else:
+            return None
+        if self._described is None or self._described[0] != key:
+            if self.gguf_experts is not None:
+                def describe(parts) -> object:
+                    return ops.stack_linear(parts[0].packed, parts[0].packed,
+                                            [p.packed for p in parts], [int(p.qtype) for p in parts],
+                                            [p.stop - p.start for p in parts], None)
+                gate_up = [describe(w13) for w13, _ in self.gguf_experts]
+                down = [describe(w2) for _, w2 in self.gguf_experts]
+            else:
+                gate_up = [ops.stack_linear(w, w, [], [], [], None) for w in self.w13]
+                down = [ops.stack_linear(w, w, [], [], [], None) for w in self.w2]
+            self._described = (key, (gate_up, down))
+        return self._described[1]
 
     def forward_dense(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Every expert over every row, weighted by the rows' routing weights (0 where a row

@@ -6,6 +6,7 @@ to HF's under every engine setting, bf16 replies close to HF's bf16 by vLLM's ru
 tensor parallelism."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,9 +106,59 @@ def test_bf16_few_rows_take_the_weight_streaming_kernel(monkeypatch):
     monkeypatch.setattr(ops, "small_linear_bf16",
                         lambda x, w: calls.append(len(x)) or kernel(x, w))
     layer = build({n: t for n, t in random_experts(3).items()}, dtype=torch.bfloat16)
+    layer.use_kernel = False  # (the C++ path makes the same choice: equal results below)
     x, logits = inputs(4, 3)
     layer(x.bfloat16(), logits)
     assert calls and all(rows <= 3 for rows in calls)
+
+
+def _kernel_and_loop(layer: FusedMoE, x: torch.Tensor, logits: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output through moe_experts (one C++ call) and through the loop here."""
+    layer.use_kernel = True
+    fused = layer(x, logits)
+    assert layer._described is not None, "bf16 rows on the CPU take the C++ path"
+    layer.use_kernel = False
+    return fused, layer(x, logits)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 40])
+@pytest.mark.parametrize("top_k,weights_in_fp32", [(2, False), (2, True), (3, False), (1, True)])
+def test_bf16_experts_in_one_call_equal_the_loop_bit_for_bit(tokens, top_k, weights_in_fp32):
+    if not probes.available():
+        pytest.skip(f"C++ kernels unavailable: {probes.unavailable_reason()}")
+    layer = build(random_experts(5), top_k, dtype=torch.bfloat16, weights_in_fp32=weights_in_fp32)
+    x, logits = inputs(tokens + 200, tokens)
+    fused, loop = _kernel_and_loop(layer, x.bfloat16(), logits)
+    assert torch.equal(fused, loop)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+def test_gguf_experts_in_one_call_equal_the_loop_bit_for_bit(qtype, tokens):
+    """Experts kept quantized (quantization="gguf"): gate and up of one type, down of another
+    (as Q4_K_M's Q6_K down projections)."""
+    if not probes.available():
+        pytest.skip(f"C++ kernels unavailable: {probes.unavailable_reason()}")
+    from gguf import GGMLQuantizationType as T
+    from gguf_from_hf import random_blocks
+    from pagedllm.layers.quantized import GGUFWeight
+    hidden = inter = 256  # a K-quant block
+    rng = np.random.default_rng(0)
+    layer = FusedMoE(E, 2, hidden, inter, renormalize=True)
+    gate_type = T[qtype]
+    for e in range(E):
+        for shard, qt, rows, cols in (("gate", gate_type, inter, hidden), ("up", gate_type, inter, hidden),
+                                      ("down", T.Q6_K, hidden, inter)):
+            blocks = torch.from_numpy(random_blocks(qt, rows, cols, 0.05, rng))
+            assert layer.take_gguf(GGUFWeight(qt, blocks, cols), e, shard)
+    assert layer.finish_gguf()
+    layer.process_weights_after_loading()
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    logits = torch.randn(tokens, E, generator=gen)
+    fused, loop = _kernel_and_loop(layer, x, logits)
+    assert torch.equal(fused, loop)
 
 
 def count_expert_calls(layer: FusedMoE, monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -79,6 +79,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("k_cache"), py::arg("v_cache"));
+  m.def("moe_experts", &pagedllm::moe_experts,
+        "a mixture-of-experts block's routed experts in one call (same results as the "
+        "per-expert forward)");
   m.def("decode_layers", &pagedllm::decode_layers,
         "a decode step's decoder layers for bf16 rows in one call (same results as the "
         "per-op forward)");

@@ -123,4 +123,12 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          double eps, double scale, int64_t small_rows, int64_t amx_rows,
                          const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first);
 
+// A mixture-of-experts block's routed experts (moe.cpp): each token's top-k experts (ids
+// [T, k]) weighted by weights (fp32 [T, k]), each chosen expert's MLP
+// down(silu(gate_up(x))) run once over the tokens that chose it (its projections as
+// StackLinear: GGUF parts, else the bf16 weight by small_linear_bf16 up to small_rows rows,
+// torch's linear beyond); the same results as layers/moe.py forward_grouped bit for bit.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       const std::vector<StackLinear>& gate_up,
+                       const std::vector<StackLinear>& down, int64_t small_rows);
 }  // namespace pagedllm
