@@ -95,6 +95,7 @@ def _layouts() -> dict[T, _Layout]:
     return {
         T.Q8_0: _Layout([(0, _f16(STD / 73.9))]),
         T.Q4_0: _Layout([(0, _f16(STD / 4.61))]),
+        T.Q4_1: _Layout([(0, _f16(STD / 4.61)), (2, _f16(-7.5 * STD / 4.61))]),  # d, m
         # d, dmin (w = d*sc*q - dmin*m: mean 0 with dmin*m = 7.5 d*sc), scales, quants
         T.Q4_K: _Layout([(0, _f16(d4)), (2, _f16(7.5 * d4)), (4, q4k_scales)]),
         T.Q5_K: _Layout([(0, _f16(d5)), (2, _f16(15.5 * d5)), (4, q4k_scales)]),

@@ -35,11 +35,19 @@
 //
 // Work: up to 3 rows, each thread takes whole panels and runs one row at a time over all 4
 // groups; beyond, half panels, in register tiles of 4 rows by 2 groups that share each
-// unpacked weight vector (rows left over: one at a time), 256-row chunks. Each (row, group)
-// sums a scale unit's even and odd pairs in two chains, scales their sum by s and adds
-// c sum(x) in fp32. One-row tiles prefetch the lines they will read 4 KiB on. The AVX2
-// path keeps the layout: a 32-byte half of a word vector is 8 outputs' pairs, widened to
-// fp32 (the bf16 word shifted up, or masked) for FMAs, in tiles of 2 or 1 rows by 2 groups.
+// unpacked weight vector (rows left over: one at a time), 256-row chunks. A tile unpacks
+// one weight vector (16 outputs' pair 4u + s) at a time and each of its rows takes it at
+// once, so few registers are live (no spills at one row; Q6_K's multi-row tiles unpack a
+// run's 4 vectors first, which ran faster there). Each (row, group) sums a scale
+// unit's even and odd pairs in two chains, scales their sum by s and adds c sum(x) in fp32.
+// A one-row tile over a whole panel prefetches the block 4 KiB on (whole blocks) in even
+// slices of 4-9 lines, one per run of 8 pairs. Per 64-byte line of quants a one-row tile
+// runs 4 dot products and 4 unpackings of 2 ops (shift, ternary logic; Q5_K, Q6_K: of 4
+// ops, over units of 5 or 6 lines), Q8_0 2 dot products and 2 widenings of 5 ops; per
+// scale unit and group ~10 more for s and c (the compiler converts d and dmin once a
+// block). The AVX2 path keeps the layout: a 32-byte half of a word vector is 8 outputs'
+// pairs, widened to fp32 (the bf16 word shifted up, or masked) for FMAs, in tiles of 2 or
+// 1 rows by 2 groups; its one-row tiles prefetch as the AVX-512 ones.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -139,13 +147,17 @@ Shape shape_of(int64_t n, int64_t k) {
 }
 
 // One row is too little work per byte for the hardware prefetcher to stay ahead: a one-row
-// tile requests the bytes it will read at least kPrefetchBytes of the panel on (whole
-// blocks), as it starts each block's headers and each unit. (Multi-row tiles doing the same
-// ran 10-20% slower at 4 rows.)
+// tile over a whole panel requests the block at least kPrefetchBytes of the panel on (whole
+// blocks) in even slices, one as it starts each run of 8 pairs (4 slices a unit, 4-9 lines
+// each). Requesting a block's headers or a whole unit at once (up to 36 lines) lost
+// prefetches: the K-quants and Q8_0 streamed at 2/3 of Q4_0's rate from memory while
+// running as fast from L2. (Multi-row tiles prefetching ran 10-20% slower at 4 rows.)
 constexpr int64_t kPrefetchBytes = 4096;
-inline void prefetch(const uint8_t* p, int64_t bytes) {  // every line of p[0:bytes]
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; a < end; a += 64)
+// Slice `step` of `steps` of a block of `bytes` at p: the lines that start in it.
+inline void prefetch_slice(const uint8_t* p, int64_t bytes, int step, int steps) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t end = (base + bytes * (step + 1) / steps) & ~uintptr_t{63};
+  for (uintptr_t a = (base + bytes * step / steps) & ~uintptr_t{63}; a < end; a += 64)
     _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
 }
 template <QType T>
@@ -174,39 +186,35 @@ inline __m512i bits_to_4(__m512i v, int from) {
   return from >= 4 ? _mm512_srli_epi16(v, from - 4) : _mm512_slli_epi16(v, 4 - from);
 }
 
-// q' of pairs 4u .. 4u + 3 of a group's unit, as 4 vectors of 16 pairs.
+// q' of pair 4u + s of a group's unit, 16 pairs. (Q8_0 as two nibble planes, 128 + lo and
+// 128 + hi, each summed in its chain and combined 16 hi + lo, ran as fast at one row as the
+// int8 widening below, once the prefetches were spread, and took 1.3x as long from 16 rows
+// on: twice the dot products.)
 template <QType T>
-inline void decode512(const uint8_t* unit, int u, __m512bh (&q)[4]) {
+inline __m512bh decode512(const uint8_t* unit, int u, int s) {
   if constexpr (T == QType::Q8_0) {
-#pragma GCC unroll 4
-    for (int s = 0; s < 4; ++s) {
-      const uint8_t* p = unit + (4 * u + s) * 32;
-      const __m512 lo = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      const __m512 hi = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-      q[s] = _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 128
-    }
-  } else {
-    const __m512i nibble = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16(0x4300);
-    const __m512i words = _mm512_loadu_si512(unit + u * 64);
-#pragma GCC unroll 4
-    for (int s = 0; s < 4; ++s) {
-      __m512i high = offset;  // 0x4300 | the high bits of q, in place
-      if constexpr (T == QType::Q5_K) {
-        const __m512i plane = _mm512_loadu_si512(unit + 256);
-        high = _mm512_ternarylogic_epi32(bits_to_4(plane, 4 * u + s), _mm512_set1_epi16(0x10),
-                                         offset, 0xEA);
-      } else if constexpr (T == QType::Q6_K) {
-        const __m512i plane = _mm512_loadu_si512(unit + 256 + u / 2 * 64);
-        high = _mm512_ternarylogic_epi32(bits_to_4(plane, 2 * (4 * (u % 2) + s)),
-                                         _mm512_set1_epi16(0x30), offset, 0xEA);
-      }
-      // (nibble s & 0xF) | high
-      q[s] = reinterpret_cast<__m512bh>(
-          _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4 * s), nibble, high, 0xEA));
-    }
+    const uint8_t* p = unit + (4 * u + s) * 32;
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 128
   }
+  const __m512i nibble = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16(0x4300);
+  const __m512i words = _mm512_loadu_si512(unit + u * 64);
+  __m512i high = offset;  // 0x4300 | the high bits of q, in place
+  if constexpr (T == QType::Q5_K) {
+    const __m512i plane_bits = _mm512_loadu_si512(unit + 256);
+    high = _mm512_ternarylogic_epi32(bits_to_4(plane_bits, 4 * u + s), _mm512_set1_epi16(0x10),
+                                     offset, 0xEA);
+  } else if constexpr (T == QType::Q6_K) {
+    const __m512i plane_bits = _mm512_loadu_si512(unit + 256 + u / 2 * 64);
+    high = _mm512_ternarylogic_epi32(bits_to_4(plane_bits, 2 * (4 * (u % 2) + s)),
+                                     _mm512_set1_epi16(0x30), offset, 0xEA);
+  }
+  // (nibble s & 0xF) | high
+  return reinterpret_cast<__m512bh>(
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4 * s), nibble, high, 0xEA));
 }
 
 // A group's s and c for scale unit `sub` of its block (header: the group's scales).
@@ -254,10 +262,8 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
       const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
@@ -268,20 +274,50 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
           for (int g = 0; g < NG; ++g) part[m][g] = part_odd[m][g] = _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
-          __m512bh q[NG][4];
+          if (MR == 1 && NG == G)
+            prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+          if constexpr (MR > 1 && T == QType::Q6_K) {
+            // Q6_K's multi-row tiles: a run's vectors first, then each row over them (the
+            // same sums in the same order; one vector at a time ran 16% slower at 4 rows)
+            __m512bh q[NG][4];
 #pragma GCC unroll 16
-          for (int g = 0; g < NG; ++g) decode512<T>(units + g * F::kUnit, u, q[g]);
-#pragma GCC unroll 16
-          for (int m = 0; m < MR; ++m) {
+            for (int g = 0; g < NG; ++g)
 #pragma GCC unroll 4
-            for (int s = 0; s < 4; ++s) {
-              int32_t pair;  // x[m] at pair 4u + s of the unit
-              std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
-              const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+              for (int s = 0; s < 4; ++s) q[g][s] = decode512<T>(units + g * F::kUnit, u, s);
 #pragma GCC unroll 16
-              for (int g = 0; g < NG; ++g) {
-                if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q[g][s], xv);
-                else part[m][g] = _mm512_dpbf16_ps(part[m][g], q[g][s], xv);
+            for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+              for (int s = 0; s < 4; ++s) {
+                int32_t pair;
+                std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
+                const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 16
+                for (int g = 0; g < NG; ++g) {
+                  if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q[g][s], xb);
+                  else part[m][g] = _mm512_dpbf16_ps(part[m][g], q[g][s], xb);
+                }
+              }
+            }
+            continue;
+          }
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+            // one weight vector at a time, used by every row as it is made: few registers
+            __m512 xv[MR];  // x[m] at pair 4u + s of the unit
+#pragma GCC unroll 16
+            for (int m = 0; m < MR; ++m) {
+              int32_t pair;
+              std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
+              xv[m] = _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+            }
+#pragma GCC unroll 16
+            for (int g = 0; g < NG; ++g) {
+              const __m512bh q = decode512<T>(units + g * F::kUnit, u, s);
+#pragma GCC unroll 16
+              for (int m = 0; m < MR; ++m) {
+                const __m512bh xb = reinterpret_cast<__m512bh>(xv[m]);
+                if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q, xb);
+                else part[m][g] = _mm512_dpbf16_ps(part[m][g], q, xb);
               }
             }
           }
@@ -399,10 +435,8 @@ void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
-    if constexpr (MR == 1) prefetch(blk + ahead + g0 * F::kHeader, NG * F::kHeader);
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      if constexpr (MR == 1) prefetch(units + ahead, NG * F::kUnit);
       const float* xu = xf + b * F::kBlock + i * kUnitInputs;
       for (int h = 0; h < F::kSubs; ++h) {
         __m256 part[MR][NG][2];
@@ -412,6 +446,8 @@ void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
           for (int g = 0; g < NG; ++g) part[m][g][0] = part[m][g][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
         for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+          if (MR == 1 && g0 == 0)  // (the first of the 2-group tiles of a panel)
+            prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
 #pragma GCC unroll 4
           for (int s = 0; s < 4; ++s) {
 #pragma GCC unroll 4
