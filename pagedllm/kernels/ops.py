@@ -110,6 +110,12 @@ def gguf_linear(x: Tensor, packed: Tensor, qtype: int, n: int, out: Tensor | Non
     return _ext.gguf_linear(x, packed, qtype, n, out, fp32_out)
 
 
+def gguf_pack(raw: Tensor, qtype: int, n: int, k: int) -> Tensor:
+    """A GGUF weight's blocks (uint8 [n, bytes per row], as the file holds them) in
+    gguf_linear's layout, flat uint8."""
+    return _ext.gguf_pack(raw, qtype, n, k)
+
+
 def gguf_packed_nbytes(qtype: int, n: int, k: int) -> int:
     """Bytes of pack_gguf's layout for a weight [n, k] of ggml type qtype."""
     return _ext.gguf_packed_nbytes(qtype, n, k)

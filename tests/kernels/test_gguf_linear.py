@@ -220,3 +220,15 @@ def test_bad_inputs_are_refused_with_clear_errors(ext):
         dequantize_packed_rows(packed, Q.Q4_K, 64, 256, torch.tensor([64]))
     with pytest.raises(RuntimeError, match="avx2"):
         ops.force_gguf_linear_isa("sse")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n", [1, 16, 17, 33, 64, 65, 100, 129, 300])
+def test_the_cxx_packer_writes_the_reference_layout_byte_for_byte(ext, qtype, n):
+    """gguf_pack.cpp (field by field) against the layout built with torch ops on whole
+    tensors (tests/gguf_pack_reference.py): every panel size, padding and block count."""
+    from gguf_pack_reference import reference_pack
+    block = GGML_QUANT_SIZES[qtype][0]
+    for k in (block, 3 * block):
+        raw = random_gguf(qtype, n, k, seed=n + k)
+        assert torch.equal(pack_gguf(qtype, raw, n, k), reference_pack(qtype, raw, n, k))

@@ -49,6 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "by pack_gguf (its exact values); writes the first n columns of out if given",
         py::arg("x"), py::arg("packed"), py::arg("qtype"), py::arg("n"),
         py::arg("out") = py::none(), py::arg("fp32_out") = false);
+  m.def("gguf_pack", &pagedllm::gguf_pack,
+        "a GGUF weight's blocks (uint8 [n, bytes per row]) in gguf_linear's layout");
   m.def("gguf_packed_nbytes", &pagedllm::gguf_packed_nbytes,
         "bytes of pack_gguf's layout for a weight [n, k] of ggml type qtype");
   m.def("gguf_dequantize_rows", &pagedllm::gguf_dequantize_rows,

@@ -64,6 +64,9 @@ at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packe
 // sums); returns those n columns. AVX512-BF16, else AVX2 + FMA + F16C.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t n,
                        const c10::optional<at::Tensor>& out, bool fp32_out);
+// The GGUF bytes of a weight [n, k] (uint8 [n, bytes per row], as the file holds them) in
+// gguf_linear's layout (gguf_pack.cpp): a flat uint8 tensor of gguf_packed_nbytes bytes.
+at::Tensor gguf_pack(const at::Tensor& raw, int64_t qtype, int64_t n, int64_t k);
 // Bytes of pack_gguf's layout for a weight [n, k] of type qtype.
 int64_t gguf_packed_nbytes(int64_t qtype, int64_t n, int64_t k);
 // The exact float32 weights of the given output rows [len(rows), k], read from the packed
