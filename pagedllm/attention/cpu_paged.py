@@ -223,8 +223,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      softcap: float | None = None) -> torch.Tensor:
     """One new token per row (the first len(q) rows of the context)."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    cascade = window is None and softcap is None
-    plan = decode_plan(ctx, q.shape[0], k_cache.shape[1], cascade)
+    if window is None and softcap is None:
+        plan = decode_plan(ctx, q.shape[0], k_cache.shape[1])
+    else:
+        plan = decode_plan(ctx, q.shape[0], k_cache.shape[1], cascade=False)
     kernel_attention(out, q, k_cache, v_cache, plan, scale, window, softcap)
     return out
 
