@@ -16,6 +16,13 @@ read once per layer instead of once per row, and the matmuls run on the CPU's ma
 units), and the kernel reads only each row's own blocks, merging the two parts by their
 log-sum-exp. Rows are grouped by their first block, so several prefixes can each have
 their group.
+
+Windows (a query at position p sees keys p - window + 1 .. p) and soft-capped scores run in
+the same kernels: the paged kernel reads each row from its first query's window on (so the
+blocks before it, which the block manager may have freed, are never read), the prompt
+kernel skips the key tiles before each block of queries' windows. Such layers take no
+cascade (a shared prefix's keys are not all in every window). torch_native stays the path
+where the kernels cannot run and the reference.
 """
 from __future__ import annotations
 
@@ -44,17 +51,18 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
                     q_lens: torch.Tensor, k_lens: torch.Tensor, scale: float,
                     prefix_out: torch.Tensor | None = None,
-                    prefix_lse: torch.Tensor | None = None) -> None:
+                    prefix_lse: torch.Tensor | None = None, window: int | None = None,
+                    softcap: float | None = None) -> None:
     """Write into out the causal attention of rows' new tokens over their paged K/V.
 
     Row i's q_lens[i] tokens sit at q[q_starts[i]:] and follow k_lens[i] - q_lens[i] cached
     tokens; all k_lens[i] K/V vectors (the new ones too) are already in the cache. With
     prefix_out [T, H, D] and prefix_lse [T, H] (each query's attention over keys that come
     before its row's table, and the log-sum-exp of their scores), the result is attention
-    over both.
+    over both. window / softcap: as torch_native's (None: none).
     """
     ops.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale,
-                        prefix_out, prefix_lse)
+                        prefix_out, prefix_lse, window or 0, softcap or 0.0)
 
 
 @dataclass(frozen=True)
@@ -97,15 +105,17 @@ def _shared_blocks(tables: torch.Tensor, q_lens: list[int], k_lens: list[int],
 
 
 def plan_kernel_rows(rows: list[int], tables: torch.Tensor, q_starts: list[int],
-                     q_lens: list[int], k_lens: list[int], block_size: int) -> KernelRows:
+                     q_lens: list[int], k_lens: list[int], block_size: int,
+                     cascade: bool = True) -> KernelRows:
     """The kernel's inputs for these rows. Rows that start with the same block form a
     group; a group of at least CASCADE_MIN_ROWS rows whose tables share a long enough run
     of whole blocks before every row's first new token (_shared_blocks) is a cascade: the
-    run is cut off its rows' tables and attended separately, once for the group."""
+    run is cut off its rows' tables and attended separately, once for the group (unless
+    cascade is False: windowed or soft-capped layers)."""
     as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
     skip = [0] * len(rows)   # each row's shared blocks
     groups: dict[int, list[int]] = {}
-    if len(rows) >= CASCADE_MIN_ROWS:
+    if cascade and len(rows) >= CASCADE_MIN_ROWS:
         for i, first in enumerate(tables[:, 0].tolist()):
             groups.setdefault(first, []).append(i)
     prefixes = []
@@ -166,8 +176,11 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def kernel_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, plan: KernelRows, scale: float) -> None:
-    """The plan's rows' tokens of out, as a cascade if the plan has shared prefixes."""
+                     v_cache: torch.Tensor, plan: KernelRows, scale: float,
+                     window: int | None = None, softcap: float | None = None) -> None:
+    """The plan's rows' tokens of out, as a cascade if the plan has shared prefixes (never
+    with a window or soft-cap)."""
+    assert not (plan.prefixes and (window is not None or softcap is not None))
     prefix_out = prefix_lse = None
     if len(plan.prefixes) == 1 and plan.prefixes[0].tokens is None:  # every row, all of q
         prefix_out, prefix_lse = prefix_attention(q, k_cache, v_cache,
@@ -183,7 +196,7 @@ def kernel_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
             prefix_out[prefix.tokens] = part_out
             prefix_lse[prefix.tokens] = part_lse
     paged_attention(out, q, k_cache, v_cache, plan.tables, plan.q_starts, plan.q_lens,
-                    plan.k_lens, scale, prefix_out, prefix_lse)
+                    plan.k_lens, scale, prefix_out, prefix_lse, window, softcap)
 
 
 def _cached_plan(ctx: Context, key: object, make) -> KernelRows:
@@ -193,25 +206,40 @@ def _cached_plan(ctx: Context, key: object, make) -> KernelRows:
     return plan
 
 
-def decode_plan(ctx: Context, n: int, block_size: int) -> KernelRows:
+def decode_plan(ctx: Context, n: int, block_size: int, cascade: bool = True) -> KernelRows:
     """The kernel's rows for the context's first n rows, one new token each (made once per
-    step: every layer shares it)."""
+    step: every layer shares it, or each kind of layer, with and without cascade)."""
     assert ctx.block_tables is not None and ctx.context_lens is not None
 
     def make() -> KernelRows:
         return plan_kernel_rows(list(range(n)), ctx.block_tables[:n], list(range(n)), [1] * n,
-                                ctx.context_lens[:n].tolist(), block_size)
+                                ctx.context_lens[:n].tolist(), block_size, cascade)
 
-    return _cached_plan(ctx, ("decode", n), make)
+    return _cached_plan(ctx, ("decode", n) if cascade else ("decode", n, "no cascade"), make)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     ctx: Context, scale: float) -> torch.Tensor:
+                     ctx: Context, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """One new token per row (the first len(q) rows of the context)."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    kernel_attention(out, q, k_cache, v_cache, decode_plan(ctx, q.shape[0], k_cache.shape[1]),
-                     scale)
+    if window is None and softcap is None:
+        plan = decode_plan(ctx, q.shape[0], k_cache.shape[1])
+    else:
+        plan = decode_plan(ctx, q.shape[0], k_cache.shape[1], cascade=False)
+    kernel_attention(out, q, k_cache, v_cache, plan, scale, window, softcap)
     return out
+
+
+def gather_window(cache: torch.Tensor, block_table: torch.Tensor, start: int,
+                  end: int) -> torch.Tensor:
+    """One sequence's cached K (or V) vectors of positions [start, end): [end - start,
+    kv_heads, dim], read from start's block on (entries before it are not read)."""
+    block_size = cache.shape[1]
+    first, last = start // block_size, (end + block_size - 1) // block_size
+    offset = start - first * block_size
+    blocks = cache.index_select(0, block_table[first:last]).flatten(0, 1)
+    return blocks[offset:offset + end - start]
 
 
 def attention_kernel(dtype: torch.dtype, head_dim: int) -> bool:
@@ -230,7 +258,8 @@ def prompt_kernel(q: torch.Tensor) -> bool:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, ctx: Context, scale: float,
-                      first_row: int = 0) -> torch.Tensor:
+                      first_row: int = 0, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Rows first_row.. of the context, their new tokens packed in q, k, v."""
     assert ctx.seqlens_q is not None and ctx.seqlens_k is not None
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -243,33 +272,47 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         if len_k == len_q and prompts is not None:
             prompts.append((start, len_q))
         elif len_k == len_q:
-            out[start:end] = torch_native._sdpa(q[start:end], k[start:end], v[start:end], scale,
-                                                causal=True)
+            out[start:end] = torch_native.new_tokens_attention(q[start:end], k[start:end],
+                                                               v[start:end], scale, window,
+                                                               softcap)
         elif len_q <= MAX_KERNEL_QUERY_LEN:
             kernel_rows.append((i, start, len_q, len_k))
         elif prompts is not None:  # the kernel over the gathered context
             assert ctx.block_tables is not None
-            keys, values = (torch_native.gather_kv(c, ctx.block_tables[i], len_k)
+            # from the first query's window on (positions are relative: the queries are
+            # the last len_q of the keys either way)
+            first = 0 if window is None else max(0, len_k - len_q - window + 1)
+            keys, values = (gather_window(c, ctx.block_tables[i], first, len_k)
                             for c in (k_cache, v_cache))
-            ops.attention_over_keys(out[start:end], q[start:end], keys, values, scale, True)
+            ops.attention_over_keys(out[start:end], q[start:end], keys, values, scale, True,
+                                    window or 0, softcap or 0.0)
+        elif window is not None:  # torch's, over the keys from the first query's window on
+            assert ctx.block_tables is not None
+            first = max(0, len_k - len_q - window + 1)
+            keys, values = (gather_window(c, ctx.block_tables[i], first, len_k)
+                            for c in (k_cache, v_cache))
+            mask = torch_native.causal_mask(len_q, len_k - first, window)
+            out[start:end] = torch_native._attend(q[start:end], keys, values, scale, mask, softcap)
         else:
             assert ctx.block_tables is not None
             out[start:end] = torch_native.cached_prefix_attention(
-                q[start:end], k_cache, v_cache, ctx.block_tables[i], len_k, scale)
+                q[start:end], k_cache, v_cache, ctx.block_tables[i], len_k, scale, None, softcap)
         start = end
     if prompts:  # every prompt with nothing cached, in one call
         starts, lens = (torch.tensor(c, dtype=torch.int64) for c in zip(*prompts))
-        ops.prompt_attention(out, q, k, v, starts, lens, scale)
+        ops.prompt_attention(out, q, k, v, starts, lens, scale, window or 0, softcap or 0.0)
     if kernel_rows:
         assert ctx.block_tables is not None
         rows, q_starts, q_lens, k_lens = (list(c) for c in zip(*kernel_rows))
+        cascade = window is None and softcap is None
 
         def make() -> KernelRows:
             return plan_kernel_rows(rows, ctx.block_tables[rows], q_starts, q_lens, k_lens,
-                                    k_cache.shape[1])
+                                    k_cache.shape[1], cascade)
 
-        plan = _cached_plan(ctx, ("prefill", first_row), make)
-        kernel_attention(out, q, k_cache, v_cache, plan, scale)
+        key = ("prefill", first_row) if cascade else ("prefill", first_row, "no cascade")
+        plan = _cached_plan(ctx, key, make)
+        kernel_attention(out, q, k_cache, v_cache, plan, scale, window, softcap)
     return out
 
 
@@ -288,19 +331,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """Same contract as torch_native.attention."""
     if window is not None and 0 < _longest_context(ctx) <= window:
         window = None  # every row's context fits in the window: it hides nothing
-    if not k_cache.numel() or window is not None or softcap is not None:
-        # no cache bound (profiling runs): nothing to read in place; windows shorter than a
-        # context and soft-caps: torch's path (the kernels attend over every cached token,
-        # uncapped)
+    if not k_cache.numel():  # no cache bound (profiling runs): nothing to read in place
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
     ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     # q is a view into the step's qkv projection: the kernel reads it in place (a copy cost
     # 21 us per layer at 64 rows); the output is contiguous.
     if not ctx.is_prefill:
-        return decode_attention(q, k_cache, v_cache, ctx, scale)
+        return decode_attention(q, k_cache, v_cache, ctx, scale, window, softcap)
     num_decodes = ctx.num_decodes  # a mixed batch (chunked prefill): decode rows come first
     if num_decodes == 0:
-        return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale)
-    return torch.cat([decode_attention(q[:num_decodes], k_cache, v_cache, ctx, scale),
+        return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale, 0, window, softcap)
+    return torch.cat([decode_attention(q[:num_decodes], k_cache, v_cache, ctx, scale, window,
+                                       softcap),
                       prefill_attention(q[num_decodes:], k[num_decodes:], v[num_decodes:],
-                                        k_cache, v_cache, ctx, scale, first_row=num_decodes)])
+                                        k_cache, v_cache, ctx, scale, num_decodes, window,
+                                        softcap)])

@@ -38,24 +38,30 @@ _ext: ModuleType | _NotLoaded = _NotLoaded()
 def paged_attention(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                     block_tables: Tensor, q_starts: Tensor, q_lens: Tensor, k_lens: Tensor,
                     scale: float, prefix_out: Tensor | None = None,
-                    prefix_lse: Tensor | None = None) -> None:
+                    prefix_lse: Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0) -> None:
     """out[rows' new tokens] = causal attention over the paged K/V, read in place; merged by
-    log-sum-exp with a shared prefix's attention when prefix_out / prefix_lse are given."""
+    log-sum-exp with a shared prefix's attention when prefix_out / prefix_lse are given.
+    window > 0: each query sees its last `window` positions only (table entries of blocks
+    wholly before its row's first query's window are never read); softcap > 0: scores
+    soft-capped (cap * tanh(s / cap))."""
     _ext.paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, scale,
-                         prefix_out, prefix_lse)
+                         prefix_out, prefix_lse, window, softcap)
 
 
 def prompt_attention(out: Tensor, q: Tensor, k: Tensor, v: Tensor, starts: Tensor,
-                     lens: Tensor, scale: float) -> None:
-    """out[prompts' tokens] = causal attention of each prompt over its own tokens (bf16)."""
-    _ext.prompt_attention(out, q, k, v, starts, lens, scale)
+                     lens: Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> None:
+    """out[prompts' tokens] = causal attention of each prompt over its own tokens (bf16);
+    window / softcap as paged_attention's (0: none)."""
+    _ext.prompt_attention(out, q, k, v, starts, lens, scale, window, softcap)
 
 
 def attention_over_keys(out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                        causal: bool) -> Tensor:
+                        causal: bool, window: int = 0, softcap: float = 0.0) -> Tensor:
     """out = attention of q [T, H, D] over k/v [S, Hkv, D] (causal: q are the last T of the
-    S positions; else every query sees every key); returns the log-sum-exp [T, H]."""
-    return _ext.attention_over_keys(out, q, k, v, scale, causal)
+    S positions; else every query sees every key); returns the log-sum-exp [T, H]. window
+    (causal only) / softcap as paged_attention's."""
+    return _ext.attention_over_keys(out, q, k, v, scale, causal, window, softcap)
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,

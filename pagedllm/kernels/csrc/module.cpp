@@ -7,7 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "merged with a shared prefix's attention if given",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("k_lens"),
-        py::arg("scale"), py::arg("prefix_out") = py::none(), py::arg("prefix_lse") = py::none());
+        py::arg("scale"), py::arg("prefix_out") = py::none(), py::arg("prefix_lse") = py::none(),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("paged_attention_scores", &pagedllm::paged_attention_scores,
         "how paged_attention scores bf16 keys here: 'avx512_bf16', 'avx512' or 'scalar'");
   m.def("allow_dot_scores", &pagedllm::allow_dot_scores,
@@ -16,12 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[prompts' tokens] = causal attention of each prompt over its own tokens (bf16; "
         "AMX or AVX512-BF16)",
         py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("starts"),
-        py::arg("lens"), py::arg("scale"));
+        py::arg("lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("attention_over_keys", &pagedllm::attention_over_keys,
         "out = attention of the queries over the keys (causal: the queries are the last "
         "positions; else a prefix before them all), bf16; returns each query's "
         "log-sum-exp", py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("scale"), py::arg("causal"));
+        py::arg("scale"), py::arg("causal"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("prompt_attention_isa", &pagedllm::prompt_attention_isa,
         "what prompt_attention and attention_over_keys run on: 'amx', 'avx512_bf16' or '' "
         "(not built)");

@@ -6,12 +6,16 @@ namespace pagedllm {
 
 // out[rows' new tokens] = causal attention of q over K/V read in place from the paged cache;
 // with prefix_out/prefix_lse (attention over a shared prefix that the tables leave out),
-// merged with that by log-sum-exp (cascade attention).
+// merged with that by log-sum-exp (cascade attention). window > 0: a query at position p
+// sees keys p - window + 1 .. p only (table entries of blocks wholly before its row's first
+// query's window are not read: they may be -1); softcap > 0: scores s -> softcap *
+// tanh(s / softcap) before the softmax.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
                      double scale, const c10::optional<at::Tensor>& prefix_out,
-                     const c10::optional<at::Tensor>& prefix_lse);
+                     const c10::optional<at::Tensor>& prefix_lse, int64_t window = 0,
+                     double softcap = 0.0);
 // How paged_attention scores bf16 keys here: "avx512_bf16" (dot products), "avx512"
 // (widened to fp32) or "scalar".
 std::string paged_attention_scores();
@@ -20,16 +24,19 @@ void allow_dot_scores(bool allowed);
 // out[prompts' tokens] = causal attention of each prompt (q/k/v[starts[i]:][:lens[i]]) over
 // its own tokens, bf16, on AMX tiles (prompt_attention.cpp) where amx_available() (amx.h),
 // else on AVX512-BF16 dot products; only where prompt_attention_isa() is not empty.
+// window / softcap as paged_attention's (0: none).
 void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
-                      double scale);
+                      double scale, int64_t window = 0, double softcap = 0.0);
 // out = attention of the queries q [T, H, D] over the keys k/v [S, Hkv, D]: causal, the
 // queries are the last T of the S positions (a chunk over its cached prefix); otherwise
 // every query sees every key (a shared prefix that precedes them all). Returns each query's
 // log-sum-exp of its scores [T, H] (cascade attention merges by it). Same kernel and
 // conditions as prompt_attention.
+// window / softcap (causal only for a window) as paged_attention's.
 at::Tensor attention_over_keys(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, double scale, bool causal);
+                               const at::Tensor& v, double scale, bool causal,
+                               int64_t window = 0, double softcap = 0.0);
 // What those two run on here: "amx", "avx512_bf16", or "" (not built: no AVX512-BF16).
 std::string prompt_attention_isa();
 // Tests: false makes them take AVX512-BF16 dot products even where AMX runs.

@@ -6,6 +6,12 @@
 // already be stored in the cache. Work is split into (row, chunk of query tokens) items, for
 // one kv head each or, when there are enough items for every thread, for all of them; the
 // query heads sharing a KV head (GQA) read each cached block once.
+//
+// A window w (> 0) limits the query at position p to the keys p - w + 1 .. p: a row is read
+// from the first key its chunk's first query sees, so the blocks wholly before it (which
+// the block manager may have freed: table entry -1) are never touched. A soft-cap c (> 0)
+// maps each scaled score s to c * tanh(s / c) before the softmax. With neither, the code
+// and its results are those without the feature.
 #include "amx.h"
 #include "ops.h"
 #include "simd.h"
@@ -73,7 +79,18 @@ struct Inputs {
   const T* prefix_out = nullptr;
   const float* prefix_lse = nullptr;
   int64_t p_stride_t = 0, p_stride_h = 0, lse_stride_t = 0;
+  int64_t window = 0;  // > 0: each query sees only its last `window` positions
+  float softcap = 0.f;  // > 0: scores soft-capped
 };
+
+// The first key any query of item w sees (0 without a window): its first query's position
+// minus window - 1.
+template <typename T>
+inline int64_t first_key(const WorkItem& w, const Inputs<T>& in) {
+  if (in.window <= 0) return 0;
+  const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
+  return std::max<int64_t>(0, past + w.q_begin - in.window + 1);
+}
 
 // Writes query (token, head)'s output from its unnormalised accumulator acc (sum over its
 // keys of e^(score - m) v) and sum (of e^(score - m)), merging the prefix part if any.
@@ -104,30 +121,32 @@ inline void prefetch_vector(const void* p, int64_t bytes) {
   for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(static_cast<const char*>(p) + c, 0, 2);
 }
 
-// Visits the first num_keys cached tokens of a row block by block: fn(j, n, base, ahead)
+// Visits the cached tokens [begin, num_keys) of a row block by block: fn(j, n, base, ahead)
 // for the n tokens j, j + 1, ... of one block, token j + o's vector for kv head h0 at
-// base + o * s.c_stride_s (head h0 + i's i * s.c_stride_h further); ahead is the same for
-// the block kPrefetchBlocks on (nullptr past the last).
+// base + o * s.c_stride_s (head h0 + i's i * s.c_stride_h further); ahead is the block
+// kPrefetchBlocks on, from its first token (nullptr past the last). Blocks before begin's
+// are not read (nor their table entries).
 template <typename T, typename Fn>
-inline void for_each_block(const T* cache, const int64_t* table, int64_t num_keys, int64_t h0,
-                           const Shapes& s, Fn&& fn) {
+inline void for_each_block(const T* cache, const int64_t* table, int64_t begin, int64_t num_keys,
+                           int64_t h0, const Shapes& s, Fn&& fn) {
   const int64_t num_blocks = (num_keys + s.block_size - 1) / s.block_size;
-  for (int64_t b = 0, j = 0; j < num_keys; ++b) {
+  for (int64_t b = begin / s.block_size, j = begin; j < num_keys; ++b) {
     const T* ahead = b + kPrefetchBlocks < num_blocks
                          ? cache + table[b + kPrefetchBlocks] * s.c_stride_b + h0 * s.c_stride_h
                          : nullptr;
-    const int64_t n = std::min(s.block_size, num_keys - j);
-    fn(j, n, cache + table[b] * s.c_stride_b + h0 * s.c_stride_h, ahead);
+    const int64_t o0 = j - b * s.block_size;  // 0 but in begin's block
+    const int64_t n = std::min(s.block_size - o0, num_keys - j);
+    fn(j, n, cache + table[b] * s.c_stride_b + o0 * s.c_stride_s + h0 * s.c_stride_h, ahead);
     j += n;
   }
 }
 
 // One kv head's vectors one token at a time: fn(j, pointer to token j's vector).
 template <typename T, typename Fn>
-inline void for_each_key(const T* cache, const int64_t* table, int64_t num_keys, int64_t kv_head,
-                         const Shapes& s, Fn&& fn) {
+inline void for_each_key(const T* cache, const int64_t* table, int64_t begin, int64_t num_keys,
+                         int64_t kv_head, const Shapes& s, Fn&& fn) {
   const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
-  for_each_block(cache, table, num_keys, kv_head, s,
+  for_each_block(cache, table, begin, num_keys, kv_head, s,
                  [&](int64_t j, int64_t n, const T* base, const T* ahead) {
                    for (int64_t o = 0; o < n; ++o) {
                      if (ahead != nullptr) prefetch_vector(ahead + o * s.c_stride_s, bytes);
@@ -148,9 +167,11 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
   const int64_t num_keys = past + w.q_end;     // keys seen by the chunk's last query
   const int64_t* table = in.tables + w.row * s.table_width;
   const int64_t first_token = in.q_starts[w.row] + w.q_begin;
-  buf.resize(rows * (num_keys + d + 2));
-  float* scores = buf.data();                  // [rows, num_keys]
-  float* qf = scores + rows * num_keys;        // [rows, d], scaled queries; reused as acc
+  const int64_t begin = first_key(w, in);      // the first key any query sees
+  const int64_t span = num_keys - begin;
+  buf.resize(rows * (span + d + 2));
+  float* scores = buf.data();                  // [rows, span]: keys begin..num_keys - 1
+  float* qf = scores + rows * span;            // [rows, d], scaled queries; reused as acc
   float* row_max = qf + rows * d;              // [rows]
   float* row_sum = row_max + rows;             // [rows]
   // Query r = (token t, head g) sees keys [0, past + q_begin + t].
@@ -162,17 +183,21 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
     }
   }
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
-  for_each_key(in.k_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
+  for_each_key(in.k_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
     const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
-    for (int64_t r = first_r; r < rows; ++r) scores[r * num_keys + j] = dot<T, D>(kj, qf + r * d, d);
+    for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<T, D>(kj, qf + r * d, d);
   });
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = first_unmasked + r / group + 1;
-    float* sc = scores + r * num_keys;
+    const int64_t n = first_unmasked + r / group + 1 - begin;  // keys [lo, n) of the span
+    const int64_t lo = in.window > 0 ? std::max<int64_t>(0, n - in.window) : 0;
+    float* sc = scores + r * span;
+    std::fill(sc, sc + lo, 0.f);  // outside the window: weight 0
+    if (in.softcap > 0.f)
+      for (int64_t j = lo; j < n; ++j) sc[j] = std::tanh(sc[j] / in.softcap) * in.softcap;
     float m = -FLT_MAX;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
+    for (int64_t j = lo; j < n; ++j) m = std::max(m, sc[j]);
     float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = lo; j < n; ++j) {
       sc[j] = std::exp(sc[j] - m);
       sum += sc[j];
     }
@@ -181,9 +206,9 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
   }
   float* acc = qf;
   std::fill(acc, acc + rows * d, 0.f);
-  for_each_key(in.v_cache, table, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
+  for_each_key(in.v_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
     const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
-    for (int64_t r = first_r; r < rows; ++r) axpy<T, D>(scores[r * num_keys + j], vj, acc + r * d, d);
+    for (int64_t r = first_r; r < rows; ++r) axpy<T, D>(scores[r * span + j - begin], vj, acc + r * d, d);
   });
   for (int64_t r = 0; r < rows; ++r)
     write_output(acc + r * d, row_max[r], row_sum[r], first_token + r / group,
@@ -266,6 +291,19 @@ inline float softmax_row(float* row, int64_t n, int64_t width, float* max_out) {
   }
   std::fill(row + n, row + width, 0.f);
   return _mm512_reduce_add_ps(sum);
+}
+
+// softmax_row over row[lo:n] (row[0:lo], before the query's window, zeroed too), the
+// scores soft-capped first if softcap > 0.
+inline float softmax_window(float* row, int64_t lo, int64_t n, int64_t width, float softcap,
+                            float* max_out) {
+  std::fill(row, row + lo, 0.f);
+  if (softcap > 0.f)
+    for (int64_t j = lo; j < n; j += 16) {
+      const __mmask16 k = j + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm512_mask_storeu_ps(row + j, k, pagedllm::softcap16(_mm512_maskz_loadu_ps(k, row + j), softcap));
+    }
+  return softmax_row(row + lo, n - lo, width - lo, max_out);
 }
 
 // ---- bf16 caches: fewer vector instructions per key ----------------------------------------
@@ -457,6 +495,8 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
   const int64_t* table = in.tables + w.row * s.table_width;
   const int64_t first_token = in.q_starts[w.row] + w.q_begin;
+  const int64_t begin = first_key(w, in);         // the first key any query sees
+  const int64_t span = num_keys - begin;          // scores are kept for keys [begin, num_keys)
   // Row r is kv head h_begin + r / per_head's query (token t, head g of its group), with
   // r % per_head = t * group + g; it sees keys [0, first_unmasked + t].
   auto token_of = [&](int64_t r) { return (r % per_head) / group; };
@@ -465,9 +505,9 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
   // scores [rows, num_keys], then qf [rows, d] (scaled fp32 queries, then outputs),
   // row_max and row_sum [rows]; for bf16 the queries split in even and odd elements too
   // (or, for dot products, the bf16 queries in the same place).
-  buf.resize(rows * (num_keys + d + 2) + (kBf16 ? rows * d : 0));
+  buf.resize(rows * (span + d + 2) + (kBf16 ? rows * d : 0));
   float* scores = buf.data();
-  float* qf = scores + rows * num_keys;
+  float* qf = scores + rows * span;
   float* row_max = qf + rows * d;
   float* row_sum = row_max + rows;
   auto q_row = [&](int64_t r) {
@@ -511,7 +551,7 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
       if (m > 0) fn(r0, nr, m, base + hi * s.c_stride_h, last ? ahead + hi * s.c_stride_h : nullptr);
     }
   };
-  for_each_block(in.k_cache, table, num_keys, h_begin, s,
+  for_each_block(in.k_cache, table, begin, num_keys, h_begin, s,
                  [&](int64_t j, int64_t n, const T* base, const T* ahead) {
                    for_each_row_block(j, n, base, ahead,
                                       [&](int64_t r0, int64_t nr, int64_t m, const T* kb, const T* ka) {
@@ -519,36 +559,45 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
                                         if constexpr (kBf16) {
                                           if (q_dot != nullptr) {
                                             by_rows<T, NV, ScoreDot>(nr, static_cast<const BF16*>(q_dot + r0 * d),
-                                                                     in.scale, scores + r0 * num_keys + j,
-                                                                     num_keys, kb, ka, m, s);
+                                                                     in.scale, scores + r0 * span + j - begin,
+                                                                     span, kb, ka, m, s);
                                             return;
                                           }
                                         }
 #endif
                                         by_rows<T, NV, Score>(nr, q_score + r0 * d,
-                                                              scores + r0 * num_keys + j, num_keys,
+                                                              scores + r0 * span + j - begin, span,
                                                               kb, ka, m, s);
                                       });
                  });
   {
     // The value pass's first block (no block before it prefetches it), requested while the
     // softmax computes: 3-10% faster from memory in one-process A/B runs on the Zen 5.
-    const T* first = in.v_cache + table[0] * s.c_stride_b;
-    const int64_t n0 = std::min(s.block_size, num_keys);
+    const int64_t b0 = begin / s.block_size, o0 = begin - b0 * s.block_size;
+    const T* first = in.v_cache + table[b0] * s.c_stride_b + o0 * s.c_stride_s;
+    const int64_t n0 = std::min(s.block_size - o0, span);
     for (int64_t o = 0; o < n0; ++o)
       for (int64_t h = h_begin; h < h_end; ++h)
         prefetch_vector(first + o * s.c_stride_s + h * s.c_stride_h, d * static_cast<int64_t>(sizeof(T)));
   }
-  for (int64_t r = 0; r < rows; ++r)
-    row_sum[r] = softmax_row(scores + r * num_keys, keys_of(r), num_keys, row_max + r);
+  if (in.window <= 0 && in.softcap <= 0.f) {
+    for (int64_t r = 0; r < rows; ++r)
+      row_sum[r] = softmax_row(scores + r * span, keys_of(r) - begin, span, row_max + r);
+  } else {  // row r's window: keys [keys_of(r) - window, keys_of(r))
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = keys_of(r) - begin;
+      const int64_t lo = in.window > 0 ? std::max<int64_t>(0, n - in.window) : 0;
+      row_sum[r] = softmax_window(scores + r * span, lo, n, span, in.softcap, row_max + r);
+    }
+  }
   float* acc = qf;  // the queries are no longer needed
   std::fill(acc, acc + rows * d, 0.f);
-  for_each_block(in.v_cache, table, num_keys, h_begin, s,
+  for_each_block(in.v_cache, table, begin, num_keys, h_begin, s,
                  [&](int64_t j, int64_t n, const T* base, const T* ahead) {
                    for_each_row_block(j, n, base, ahead,
                                       [&](int64_t r0, int64_t nr, int64_t m, const T* vb, const T* va) {
-                                        by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * num_keys + j),
-                                                              num_keys, acc + r0 * d, vb, va, m, s);
+                                        by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * span + j - begin),
+                                                              span, acc + r0 * d, vb, va, m, s);
                                       });
                  });
   if constexpr (kBf16) interleave_even_odd(acc, rows * d);
@@ -576,7 +625,7 @@ template <typename T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
          const at::Tensor& k_lens, float scale, const c10::optional<at::Tensor>& prefix_out,
-         const c10::optional<at::Tensor>& prefix_lse) {
+         const c10::optional<at::Tensor>& prefix_lse, int64_t window, float softcap) {
   const Shapes s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
                  q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
   const int64_t* ql = q_lens.data_ptr<int64_t>();
@@ -590,7 +639,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
     for (int64_t b = 0; b < ql[row]; b += kQueryChunk)
       chunks.push_back({row, b, std::min(ql[row], b + kQueryChunk)});
   auto cost = [&](const WorkItem& w) {
-    return (w.q_end - w.q_begin) * (kl[w.row] - ql[w.row] + w.q_end);
+    const int64_t keys = kl[w.row] - ql[w.row] + w.q_end;
+    return (w.q_end - w.q_begin) * (window > 0 ? std::min(keys, window + w.q_end - w.q_begin) : keys);
   };
   std::stable_sort(chunks.begin(), chunks.end(),
                    [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
@@ -602,6 +652,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   Inputs<T> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                 block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale,
                 out.stride(0), out.stride(1)};
+  in.window = window;
+  in.softcap = softcap;
   if (prefix_out.has_value()) {
     in.prefix_out = prefix_out->data_ptr<T>();
     in.prefix_lse = prefix_lse->data_ptr<float>();
@@ -648,7 +700,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& k_lens,
                      double scale, const c10::optional<at::Tensor>& prefix_out,
-                     const c10::optional<at::Tensor>& prefix_lse) {
+                     const c10::optional<at::Tensor>& prefix_lse, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.strides() == v_cache.strides(),
@@ -677,9 +730,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   }
   const float sc = static_cast<float>(scale);
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse); break;
-    case at::kBFloat16: run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse); break;
-    case at::kHalf: run<c10::Half>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse); break;
+    case at::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse, window, static_cast<float>(softcap)); break;
+    case at::kBFloat16: run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse, window, static_cast<float>(softcap)); break;
+    case at::kHalf: run<c10::Half>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse, window, static_cast<float>(softcap)); break;
     default: TORCH_CHECK(false, "paged_attention supports float32, bfloat16 and float16, got ", q.scalar_type());
   }
 }

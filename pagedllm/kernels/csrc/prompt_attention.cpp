@@ -46,6 +46,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -77,6 +78,8 @@ struct Segments {
   const int64_t *q_starts, *q_lens, *k_starts, *k_lens;
   bool causal;
   float scale;
+  int64_t window = 0;   // causal only: > 0, query at position p sees keys p - window + 1 .. p
+  float softcap = 0.f;  // > 0: scaled scores s -> softcap * tanh(s / softcap)
   float* lse = nullptr;  // [T, H]: each query's log-sum-exp of its scores, if wanted
   int64_t lse_stride_t = 0;
   std::vector<int64_t> chunk_offset;  // each segment's first 32-key chunk in the rearranged K/V
@@ -274,7 +277,10 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
     for (int64_t pair = 0; pair < 16; ++pair) _mm512_store_si512(s.qt + d * 256 + pair * 16, rows[pair]);
   }
   const __m512 scale = _mm512_set1_ps(p.scale), minus_inf = _mm512_set1_ps(-INFINITY);
-  __m512 max = minus_inf, sum = _mm512_setzero_ps();
+  const int64_t window = p.causal ? p.window : 0;
+  // With a window, a lane may see no key of a chunk (its window starts in a later one): its
+  // maximum starts finite so that rescaling it never computes -inf - -inf.
+  __m512 max = window > 0 ? _mm512_set1_ps(-FLT_MAX) : minus_inf, sum = _mm512_setzero_ps();
 #if defined(PAGEDLLM_AMX)
   if constexpr (in_tiles) {
     _tile_zero(0);
@@ -285,7 +291,10 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
 #endif
   if constexpr (!in_tiles) std::fill_n(s.acc, D * kQueries, 0.f);
   const int64_t last_key = p.causal ? offset + std::min(q0 + kQueries, len) - 1 : keys_len - 1;
-  for (int64_t c = 0; c * kBlock <= last_key; ++c) {
+  // The first chunk holding a key of the block's first query's window: the chunks before
+  // it are skipped.
+  const int64_t first_chunk = window > 0 ? std::max<int64_t>(0, offset + q0 - window + 1) / kBlock : 0;
+  for (int64_t c = first_chunk; c * kBlock <= last_key; ++c) {
     const BF16* keys = rearranged +
                        ((p.chunk_offset[prompt] + c) * p.kv_heads + kv_head) * kChunkElems<D>;
     const BF16* vt = keys + kBlock * D;
@@ -299,20 +308,33 @@ void attend_block(const Segments& p, const BF16* rearranged, int64_t prompt, int
     auto visible = [&](int64_t j) -> __mmask16 {
       if (k0 + j >= keys_len) return 0;
       const int64_t shift = p.causal ? k0 + j - offset - q0 : 0;
-      return shift <= 0 ? 0xFFFF : shift >= 16 ? 0 : static_cast<__mmask16>(0xFFFF << shift);
+      const __mmask16 seen = shift <= 0 ? 0xFFFF : shift >= 16 ? 0 : static_cast<__mmask16>(0xFFFF << shift);
+      if (window <= 0) return seen;
+      // and within the window of queries i < shift + window
+      const int64_t upto = shift + window;
+      return seen & (upto >= 16 ? 0xFFFF : upto <= 0 ? 0 : static_cast<__mmask16>((1u << upto) - 1));
     };
     __m512 x[kBlock];
     __m512 chunk_max = minus_inf;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      x[j] = _mm512_mask_mul_ps(minus_inf, visible(j), _mm512_loadu_ps(s.scores + j * kQueries),
-                                scale);
-      chunk_max = _mm512_max_ps(chunk_max, x[j]);
+    if (p.softcap > 0.f) {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const __m512 capped = pagedllm::softcap16(
+            _mm512_mul_ps(_mm512_loadu_ps(s.scores + j * kQueries), scale), p.softcap);
+        x[j] = _mm512_mask_mov_ps(minus_inf, visible(j), capped);
+        chunk_max = _mm512_max_ps(chunk_max, x[j]);
+      }
+    } else {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        x[j] = _mm512_mask_mul_ps(minus_inf, visible(j), _mm512_loadu_ps(s.scores + j * kQueries),
+                                  scale);
+        chunk_max = _mm512_max_ps(chunk_max, x[j]);
+      }
     }
     // Raise the maxima (all lanes at once) when one lane's scores outgrow its own.
     if (_mm512_cmp_ps_mask(chunk_max, _mm512_add_ps(max, _mm512_set1_ps(kMaxSlack)),
                            _CMP_GT_OQ)) {
       const __m512 new_max = _mm512_max_ps(max, chunk_max);
-      if (c > 0) {  // O and the sums so far, rescaled by e^(old - new)
+      if (c > first_chunk) {  // O and the sums so far, rescaled by e^(old - new)
         const __m512 alpha = pagedllm::exp16(_mm512_sub_ps(max, new_max));
         sum = _mm512_mul_ps(sum, alpha);
 #if defined(PAGEDLLM_AMX)
@@ -460,7 +482,12 @@ void run_with_dim(Segments& p, int64_t n) {
       const int64_t last = p.causal ? p.k_lens[i] - p.q_lens[i] +
                                           std::min(b * kQueries + kQueries, p.q_lens[i]) - 1
                                     : p.k_lens[i] - 1;
-      for (int64_t h = 0; h < p.heads; ++h) items.push_back({i, h, b, last / kBlock + 1});
+      // (with a window, the chunks before the block's first query's window are skipped)
+      const int64_t first = p.causal && p.window > 0
+                                ? std::max<int64_t>(0, p.k_lens[i] - p.q_lens[i] + b * kQueries -
+                                                           p.window + 1) / kBlock
+                                : 0;
+      for (int64_t h = 0; h < p.heads; ++h) items.push_back({i, h, b, last / kBlock + 1 - first});
     }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.chunks > b.chunks; });
@@ -492,8 +519,9 @@ Segments make_segments(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
 
 void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& starts, const at::Tensor& lens,
-                      double scale) {
+                      double scale, int64_t window, double softcap) {
   check_inputs(out, q, k, v);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(k.size(0) == q.size(0), "k and v must have q's tokens");
   TORCH_CHECK(starts.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
                   starts.is_contiguous() && lens.is_contiguous() &&
@@ -507,6 +535,8 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
                 " lies outside q");
 #if defined(PAGEDLLM_BF16_DOT)
   Segments p = make_segments(out, q, k, v, static_cast<float>(scale), true);
+  p.window = window;
+  p.softcap = static_cast<float>(softcap);
   p.q_starts = p.k_starts = st;
   p.q_lens = p.k_lens = ln;
   run(p, n);
@@ -514,13 +544,18 @@ void prompt_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
 }
 
 at::Tensor attention_over_keys(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, double scale, bool causal) {
+                               const at::Tensor& v, double scale, bool causal, int64_t window,
+                               double softcap) {
   check_inputs(out, q, k, v);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(causal || window == 0, "a window needs causal attention");
   TORCH_CHECK(q.size(0) > 0 && k.size(0) > 0, "no queries or no keys");
   TORCH_CHECK(!causal || q.size(0) <= k.size(0), "causal: the queries are the last of the keys' positions");
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
 #if defined(PAGEDLLM_BF16_DOT)
   Segments p = make_segments(out, q, k, v, static_cast<float>(scale), causal);
+  p.window = window;
+  p.softcap = static_cast<float>(softcap);
   const int64_t zero = 0, queries = q.size(0), keys = k.size(0);
   p.q_starts = p.k_starts = &zero;
   p.q_lens = &queries;
