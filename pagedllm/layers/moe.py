@@ -199,8 +199,7 @@ class FusedMoE(nn.Module):
         weights, ids = self._routing(x, router_logits)
         experts = self._cpu_experts(x)
         if experts is not None:
-            out = ops.moe_experts(x.contiguous(), ids, weights.float(), *experts,
-                                  probes.small_linear_rows() if probes.has_avx512_bf16() else 0)
+            out = ops.moe_experts(x.contiguous(), ids, weights.float(), *experts)
             if self.tp_size > 1:
                 all_reduce(out)
             return out
@@ -223,10 +222,11 @@ class FusedMoE(nn.Module):
             all_reduce(out)
         return out
 
-    def _cpu_experts(self, x: torch.Tensor) -> tuple[list, list] | None:
-        """Each expert's gate/up and down projections as the C++ kernels take them (described
-        once, again if the weights moved), or None where moe_experts does not apply: not bf16
-        rows on the CPU, no kernels, or fp32 weights (which keep torch's F.linear)."""
+    def _cpu_experts(self, x: torch.Tensor) -> tuple[list, list, int] | None:
+        """moe_experts' arguments after the rows: each expert's gate/up and down projections
+        as the C++ kernels take them and up to how many rows bf16 ones stream their weight
+        (described once, again if the weights moved); None where moe_experts does not apply:
+        not bf16 rows on the CPU, no kernels, or fp32 weights (which keep torch's F.linear)."""
         if not (x.dtype == torch.bfloat16 and x.is_cpu and self.use_kernel and probes.available()):
             return None
         if self.gguf_experts is not None:
@@ -246,7 +246,8 @@ class FusedMoE(nn.Module):
             else:
                 gate_up = [ops.stack_linear(w, w, [], [], [], None) for w in self.w13]
                 down = [ops.stack_linear(w, w, [], [], [], None) for w in self.w2]
-            self._described = (key, (gate_up, down))
+            small_rows = probes.small_linear_rows() if probes.has_avx512_bf16() else 0
+            self._described = (key, (gate_up, down, small_rows))
         return self._described[1]
 
     def forward_dense(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

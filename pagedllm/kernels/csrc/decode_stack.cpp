@@ -26,26 +26,13 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
                  "");
 }
 
-// x w^T of the GGUF parts: one call, or one per part into its columns.
-at::Tensor gguf_product(const at::Tensor& x, const StackLinear& l) {
-  if (l.parts.size() == 1)
-    return gguf_linear(x, l.parts[0], l.part_types[0], l.part_rows[0], c10::nullopt, false);
-  int64_t n = 0;
-  for (int64_t rows : l.part_rows) n += rows;
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
-  for (size_t i = 0, start = 0; i < l.parts.size(); start += l.part_rows[i++])
-    gguf_linear(x, l.parts[i], l.part_types[i], l.part_rows[i],
-                y.narrow(1, start, l.part_rows[i]), false);
-  return y;
-}
-
 // x w^T (+ bias) by the layer's method (see StackLinear), the bias added as the Python
 // methods add it (fused only in oneDNN's matmul).
 at::Tensor linear(const at::Tensor& x, const StackLinear& l, int64_t small_rows,
                   int64_t amx_rows) {
   at::Tensor y;
   if (!l.parts.empty())
-    y = gguf_product(x, l);
+    y = gguf_parts_linear(x, l);
   else if (l.packed.dim() == 4)
     y = packed_linear_bf16(x, l.packed, false);
   else if (x.size(0) <= small_rows)
@@ -64,6 +51,18 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
 }
 
 }  // namespace
+
+at::Tensor gguf_parts_linear(const at::Tensor& x, const StackLinear& l) {
+  if (l.parts.size() == 1)
+    return gguf_linear(x, l.parts[0], l.part_types[0], l.part_rows[0], c10::nullopt, false);
+  int64_t n = 0;
+  for (int64_t rows : l.part_rows) n += rows;
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  for (size_t i = 0, start = 0; i < l.parts.size(); start += l.part_rows[i++])
+    gguf_linear(x, l.parts[i], l.part_types[i], l.part_rows[i],
+                y.narrow(1, start, l.part_rows[i]), false);
+  return y;
+}
 
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const std::vector<StackLayer>& layers, const at::Tensor& final_norm,

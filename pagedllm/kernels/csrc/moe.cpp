@@ -15,21 +15,11 @@
 namespace pagedllm {
 namespace {
 
-// x w^T for one expert's projection: GGUF parts kept quantized (gguf_linear, one call per
-// part into its columns), else the bf16 weight streamed by small_linear_bf16 up to
-// small_rows rows and torch's linear beyond (layers/moe.py select_expert_linear).
+// x w^T for one expert's projection: GGUF parts kept quantized, else the bf16 weight
+// streamed by small_linear_bf16 up to small_rows rows and torch's linear beyond
+// (layers/moe.py select_expert_linear).
 at::Tensor expert_linear(const at::Tensor& x, const StackLinear& l, int64_t small_rows) {
-  if (!l.parts.empty()) {
-    if (l.parts.size() == 1)
-      return gguf_linear(x, l.parts[0], l.part_types[0], l.part_rows[0], c10::nullopt, false);
-    int64_t n = 0;
-    for (int64_t rows : l.part_rows) n += rows;
-    at::Tensor y = at::empty({x.size(0), n}, x.options());
-    for (size_t i = 0, start = 0; i < l.parts.size(); start += l.part_rows[i++])
-      gguf_linear(x, l.parts[i], l.part_types[i], l.part_rows[i],
-                  y.narrow(1, start, l.part_rows[i]), false);
-    return y;
-  }
+  if (!l.parts.empty()) return gguf_parts_linear(x, l);
   if (x.size(0) <= small_rows) return small_linear_bf16(x, l.weight);
   return at::linear(x, l.weight);
 }

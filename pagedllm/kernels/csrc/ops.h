@@ -107,6 +107,9 @@ struct StackLinear {
   c10::optional<at::Tensor> bias;
 };
 
+// x w^T of a StackLinear's GGUF parts (decode_stack.cpp): one gguf_linear call, or one per
+// part into its columns of the output (as layers/quantized.py parts_linear).
+at::Tensor gguf_parts_linear(const at::Tensor& x, const StackLinear& l);
 // A Llama-structured decoder layer of the decode stack: norms, linears, the optional
 // per-head q/k norms (Qwen3), the KV caches.
 struct StackLayer {
