@@ -4,11 +4,13 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput",
+           "CompletionOutput"]
 
 _EXPORTS = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "EngineConfig": "pagedllm.config",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",

@@ -1,8 +1,57 @@
 """SamplingParams: how one request is decoded, validated at construction."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of a JSON schema (a dict or its
+    JSON text), any JSON object, a regular expression, a choice of strings, or a grammar
+    (Lark, as llguidance reads it, or llama.cpp's GBNF). Whether it compiles is checked
+    when the request is added (layers/structured_output.py), where the tokenizer is known.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), "
+                             f"got {type(self.json).__name__}")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def key(self) -> str:
+        """What identifies the compiled constraint (the compiler's cache key)."""
+        for name in ("json", "json_object", "regex", "choice", "grammar"):
+            value = getattr(self, name)
+            if value not in (None, False):
+                return name + ":" + json.dumps(value, sort_keys=True)
+        raise AssertionError("unreachable: validated in __post_init__")
 
 
 @dataclass
@@ -31,6 +80,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Token controls (OpenAI's logit_bias, vLLM's allowed_token_ids and bad_words): a bias
+    # added to each listed token's logit (-100..100; OpenAI's JSON keys are strings), the
+    # only tokens that may be sampled, and words whose last token is banned wherever the
+    # output so far ends with the rest of the word.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Beam search (as vLLM's LLM.beam_search / HF generate(num_beams=n)): n beams, scored
     # by log-prob sum / generated_length ** length_penalty; early_stopping True, False or
     # "never" as in transformers.
@@ -45,6 +102,10 @@ class SamplingParams:
         else:
             self.stop_strs = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -85,6 +146,19 @@ class SamplingParams:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             fail(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(_is_token_id(t) for t in self.allowed_token_ids)):
+            fail(f"allowed_token_ids must be a non-empty list of token ids, got "
+                 f"{self.allowed_token_ids!r}")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, list)
+                or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            fail(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            fail(f"structured_outputs must be a StructuredOutputsParams, got "
+                 f"{type(self.structured_outputs).__name__}")
         if self.use_beam_search:
             self._validate_beam_search(fail)
 
@@ -107,15 +181,42 @@ class SamplingParams:
             fail("penalties (repetition, presence, frequency) are not supported with beam search")
         if self.logprobs is not None:
             fail("logprobs are not supported with beam search")
+        if self.has_token_controls or self.structured_outputs is not None:
+            fail("logit_bias, allowed_token_ids, bad_words and structured outputs are not "
+                 "supported with beam search")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def has_token_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias} from a dict whose keys are ids or their decimal strings (JSON)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}")
+    result = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_token_id(token):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for "
+                             f"token {token}")
+        result[token] = float(value)
+    return result
+
+
+def _is_token_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _is_number(x: object) -> bool:

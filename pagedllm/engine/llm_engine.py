@@ -23,6 +23,7 @@ from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
 from pagedllm.engine.tp.worker import serve_worker_rank, worker_main
 from pagedllm.layers.gguf_packing import SUPPORTED_TYPES
 from pagedllm.layers.linear_methods import linear_weight_forms
+from pagedllm.layers.structured_output import GrammarCompiler
 from pagedllm.loader import ModelSource, load_model_source
 from pagedllm.loader.model_loader import resident_line
 from pagedllm.loader.validate import check_fits_in_memory
@@ -143,6 +144,8 @@ class LLMEngine:
             num_swap_blocks=self.model_runner.num_swap_blocks,
             sliding_window=(source.config.sliding_window if source.config.all_layers_sliding
                             else None))
+        self.grammars = GrammarCompiler(self.tokenizer, source.config.vocab_size,
+                                        self.eos_token_ids[0] if self.eos_token_ids else None)
         self.requests: dict[str, _RequestState] = {}
         self.last_step = StepStats()
         self.num_prompt_tokens = 0        # computed (not cached) prompt tokens, lifetime
@@ -183,6 +186,11 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", sp.logit_bias), ("allowed_token_ids", sp.allowed_token_ids),
+                          ("stop_token_ids", sp.stop_token_ids)):
+            bad = [t for t in ids or () if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if sp.n > cfg.max_num_seqs:
             raise ValueError(f"n={sp.n} samples exceed max_num_seqs ({cfg.max_num_seqs})")
         if len(token_ids) >= cfg.max_model_len:
@@ -210,8 +218,12 @@ class LLMEngine:
                       else _per_sample_params(sampling_params))
         seqs = [Sequence(token_ids, sp, self.config.block_size, request_id, now)
                 for sp in per_sample]
+        bad_words = self.bad_words_token_ids(sampling_params.bad_words or [])
         for i, seq in enumerate(seqs):
             seq.sample_index = i
+            seq.bad_words_token_ids = bad_words
+            if sampling_params.structured_outputs is not None:
+                seq.grammar = self.grammars.matcher(sampling_params.structured_outputs)
         seqs[0].pending_forks = seqs[1:]  # forked once the prompt is computed
         samples = [_SampleState(seq, IncrementalDetokenizer(
             self.tokenizer, token_ids, skip_special_tokens=sampling_params.skip_special_tokens),
@@ -223,6 +235,18 @@ class LLMEngine:
             state.beam.beams = [seqs[0]]
         self.requests[request_id] = state
         self.scheduler.add(seqs[0])
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it starts the output and, where its tokens differ but
+        are as many, after a space (vLLM's rule)."""
+        result = []
+        for word in words:
+            ids = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            result.append(ids)
+            if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
+                result.append(spaced)
+        return result
 
     def _beam_state(self, prompt_len: int, sp: SamplingParams) -> BeamSearchState:
         assert self.config.max_model_len is not None
@@ -349,9 +373,20 @@ class LLMEngine:
             self._fail([seq], f"detokenizer: {type(e).__name__}: {e}")
             return state
         sample.text += sample.last_delta
+        if seq.grammar is not None and not seq.is_finished:
+            self._advance_grammar(seq)
         if not seq.is_finished:
             self._check_stop_strings(sample)
         return state
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        """The grammar takes the sampled token (the mask allowed it); a completed grammar
+        ends the sequence as a stop would."""
+        grammar = seq.grammar
+        if not grammar.consume_token(seq.last_token):
+            self._fail([seq], f"structured output: {grammar.get_error()}")
+        elif grammar.is_stopped():
+            self.scheduler.finish(seq, "stop")
 
     def _advance_beams(self, state: _RequestState) -> None:
         """One beam-search step: fork the beams that continue, drop the others (their blocks

@@ -34,9 +34,10 @@ from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, default_num_threads, sigint_deferred
 from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.quantized import GGUFWeight
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
                                      sample)
-from pagedllm.layers.quantized import GGUFWeight
+from pagedllm.layers.structured_output import fill_token_masks
 from pagedllm.loader.model_loader import build_model, decode_read_bytes, linear_kernels
 from pagedllm.models.config import ModelConfig
 from pagedllm.utils import cdiv
@@ -235,25 +236,39 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         banned = []
         for row, (seq, sp) in enumerate(zip(seqs, params)):
-            if seq.num_completion_tokens < sp.min_tokens:
+            if seq.num_completion_tokens < sp.min_tokens and seq.grammar is None:
+                # (a grammar decides where a structured output ends)
                 banned.append((row, [*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids]))
+            if seq.bad_words_token_ids:
+                banned.extend((row, [ids[-1]]) for ids in _bad_words_due(seq))
         penalties = self.prepare_penalties(seqs) if any(sp.has_penalties for sp in params) else None
         num_logprobs = ([sp.logprobs for sp in params]
                         if any(sp.logprobs is not None for sp in params) else None)
         all_greedy = all(sp.temperature == 0 for sp in params)
         if all_greedy:
-            return SamplingBatch(torch.zeros(len(seqs)), None, None, None, [], True, banned,
-                                 penalties, num_logprobs)
-        top_ks = [sp.top_k if sp.top_k > 0 else vocab for sp in params]
-        top_ps = [sp.top_p for sp in params]
-        min_ps = [sp.min_p for sp in params]
-        return SamplingBatch(
-            temperatures=torch.tensor([sp.temperature for sp in params], dtype=torch.float32),
-            top_ks=torch.tensor(top_ks) if any(k < vocab for k in top_ks) else None,
-            top_ps=torch.tensor(top_ps) if any(p < 1 for p in top_ps) else None,
-            min_ps=torch.tensor(min_ps) if any(p > 0 for p in min_ps) else None,
-            generators=[seq.generator for seq in seqs],
-            all_greedy=False, banned=banned, penalties=penalties, num_logprobs=num_logprobs)
+            batch = SamplingBatch(torch.zeros(len(seqs)), None, None, None, [], True, banned,
+                                  penalties, num_logprobs)
+        else:
+            top_ks = [sp.top_k if sp.top_k > 0 else vocab for sp in params]
+            top_ps = [sp.top_p for sp in params]
+            min_ps = [sp.min_p for sp in params]
+            batch = SamplingBatch(
+                temperatures=torch.tensor([sp.temperature for sp in params], dtype=torch.float32),
+                top_ks=torch.tensor(top_ks) if any(k < vocab for k in top_ks) else None,
+                top_ps=torch.tensor(top_ps) if any(p < 1 for p in top_ps) else None,
+                min_ps=torch.tensor(min_ps) if any(p > 0 for p in min_ps) else None,
+                generators=[seq.generator for seq in seqs],
+                all_greedy=False, banned=banned, penalties=penalties, num_logprobs=num_logprobs)
+        for row, sp in enumerate(params):
+            if sp.allowed_token_ids:
+                batch.allowed.append((row, sp.allowed_token_ids))
+            if sp.logit_bias:
+                batch.bias.append((row, list(sp.logit_bias), list(sp.logit_bias.values())))
+        batch.grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        if batch.grammar_rows:
+            batch.grammar_masks = fill_token_masks([seqs[row].grammar for row in batch.grammar_rows],
+                                                   vocab)
+        return batch
 
     def prepare_penalties(self, seqs: list[Sequence]) -> Penalties:
         """Token counts of each row's output and a mask of its prompt (rows without penalties
@@ -435,6 +450,14 @@ class ModelRunner:
         destroy_distributed()
         atexit.unregister(self.shutdown)
         logger.info("tensor parallel: workers stopped")
+
+
+def _bad_words_due(seq: Sequence) -> list[list[int]]:
+    """The bad words whose last token would complete them now: all but their last token end
+    the output so far (one-token words always)."""
+    out = seq.completion_token_ids
+    return [ids for ids in seq.bad_words_token_ids
+            if len(ids) - 1 <= len(out) and (len(ids) == 1 or out[len(out) - len(ids) + 1:] == ids[:-1])]
 
 
 def _logit_rows(batch: ScheduledBatch) -> torch.Tensor:

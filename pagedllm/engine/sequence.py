@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 from itertools import count
+from typing import Any
 
 import torch
 
@@ -60,6 +61,10 @@ class Sequence:
         # once computed (until the request's beams all have theirs and advance together).
         self.cum_logprob = 0.0
         self.beam_logprobs: torch.Tensor | None = None
+        # Token controls: the grammar matcher of a structured output (it has taken every
+        # sampled token), and the bad words' token ids (SamplingParams.bad_words).
+        self.grammar: Any = None
+        self.bad_words_token_ids: list[list[int]] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,5 +1,6 @@
-"""The sampler: penalties, then greedy, or temperature / top-k / top-p / min-p then
-Gumbel-max (seed 002); optionally the logprobs of what was sampled.
+"""The sampler: token controls (structured-output masks, allowed tokens, logit bias, banned
+tokens), penalties, then greedy, or temperature / top-k / top-p / min-p then Gumbel-max
+(seed 002); optionally the logprobs of what was sampled.
 
 Gumbel-max: argmax(p_i / E_i) with E_i ~ Exponential(1) draws i with probability p_i.
 A request with a seed draws its noise from its own generator, so its samples do not
@@ -7,7 +8,7 @@ depend on what else is in the batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,12 +41,26 @@ class SamplingBatch:
     min_ps: torch.Tensor | None           # [B] float32, 0 = disabled
     generators: list[torch.Generator | None]
     all_greedy: bool
-    # (row, token ids) whose logits are forced to -inf, e.g. EOS before min_tokens
+    # (row, token ids) whose logits are forced to -inf: EOS before min_tokens, bad words
     banned: list[tuple[int, list[int]]]
     penalties: Penalties | None = None
     # Per row: how many top logprobs to return (0 = only the sampled token's), None = none.
     # The whole list is None when no row asks, so the common step does no logprob work.
     num_logprobs: list[int | None] | None = None
+    # (row, token ids): the only tokens the row may sample (allowed_token_ids)
+    allowed: list[tuple[int, list[int]]] = field(default_factory=list)
+    # (row, token ids, biases) added to the logits (logit_bias)
+    bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    # rows under a grammar, and their token masks [len(grammar_rows), ceil(V / 32)] int32
+    # (bit t % 32 of word t // 32 set: token t is allowed; layers/structured_output.py)
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_masks: torch.Tensor | None = None
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any row's logits change before sampling (controls or penalties)."""
+        return bool(self.penalties is not None or self.banned or self.allowed or self.bias
+                    or self.grammar_rows)
 
 
 @dataclass
@@ -54,6 +69,42 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+
+
+def unpack_token_masks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [R, vocab_size] of int32 bit masks [R, W] (bit t % 32 of word t // 32: token t)."""
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((masks[:, :, None] >> bits) & 1).view(masks.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_controls(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
+                         ) -> torch.Tensor:
+    """fp32 logits after the batch's token controls and penalties: grammar masks and allowed
+    tokens (everything else -inf), logit bias, penalties, banned tokens (-inf); as vLLM
+    orders them. logits [len(rows), V] are batch rows `rows` (a copy is made)."""
+    x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    position = {row: i for i, row in enumerate(rows)}
+    if batch.grammar_masks is not None:
+        here = [(i, position[row]) for i, row in enumerate(batch.grammar_rows) if row in position]
+        if here:
+            masks, at = zip(*here)
+            allowed = unpack_token_masks(batch.grammar_masks[list(masks)], x.shape[-1])
+            x[list(at)] = x[list(at)].masked_fill(~allowed, float("-inf"))
+    for row, token_ids in batch.allowed:
+        if row in position:
+            i = position[row]
+            kept = x[i, token_ids]
+            x[i] = float("-inf")
+            x[i, token_ids] = kept
+    for row, token_ids, biases in batch.bias:
+        if row in position:
+            x[position[row], token_ids] += torch.tensor(biases)
+    if batch.penalties is not None:
+        x = apply_penalties(x, _take_rows(batch.penalties, torch.tensor(rows)))
+    for row, token_ids in batch.banned:
+        if row in position:
+            x[position[row], token_ids] = float("-inf")
+    return x
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -112,15 +163,14 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
     """Token ids [B] drawn from logits [B, V]."""
-    if batch.all_greedy and batch.penalties is None and not batch.banned:
+    if batch.all_greedy and not batch.changes_logits:
         # The argmax of the logits as they are: widening bf16 to fp32 keeps their order,
         # and skipping it saves 2.3 ms of a 64-row decode step.
         return _argmax(logits)
-    logits = logits.float()
-    if batch.penalties is not None:
-        logits = apply_penalties(logits, batch.penalties)
-    for row, token_ids in batch.banned:
-        logits[row, token_ids] = float("-inf")
+    if batch.changes_logits:
+        logits = apply_token_controls(logits, batch, list(range(logits.shape[0])))
+    else:
+        logits = logits.float()
     greedy_tokens = _argmax(logits)
     if batch.all_greedy:
         return greedy_tokens
@@ -141,8 +191,8 @@ def _take_rows(p: Penalties, rows: torch.Tensor) -> Penalties:
 
 def compute_logprobs(logits: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor
                      ) -> list[TokenLogprobs | None]:
-    """Logprobs of the distribution each row was sampled from: the logits after penalties,
-    banned tokens and temperature (greedy rows: temperature 1), before the top-k / top-p /
+    """Logprobs of the distribution each row was sampled from: the logits after token
+    controls, penalties and temperature (greedy rows: temperature 1), before the top-k / top-p /
     min-p cut. Only the rows that asked are computed."""
     assert batch.num_logprobs is not None
     wanted = [row for row, k in enumerate(batch.num_logprobs) if k is not None]
@@ -150,14 +200,7 @@ def compute_logprobs(logits: torch.Tensor, batch: SamplingBatch, token_ids: torc
     if not wanted:
         return result
     rows = torch.tensor(wanted)
-    x = logits[rows].float()
-    if batch.penalties is not None:
-        x = apply_penalties(x, _take_rows(batch.penalties, rows))
-    x = x.clone()
-    position = {row: i for i, row in enumerate(wanted)}
-    for row, banned in batch.banned:
-        if row in position:
-            x[position[row], banned] = float("-inf")
+    x = apply_token_controls(logits[rows], batch, wanted)
     temps = batch.temperatures[rows]
     temps = torch.where(temps == 0, torch.ones_like(temps), temps)
     logprobs = (x / temps[:, None]).log_softmax(-1)
