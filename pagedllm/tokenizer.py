@@ -56,7 +56,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; BOS/EOS are added only if the model's config asks for them."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str):  # the tokenizer takes only encodable text
+                _check_encodable(text)
+            raise
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``; special (control) tokens are dropped unless asked for."""
@@ -196,6 +201,14 @@ def _compile_chat_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ValueError(f"invalid chat template (line {exc.lineno}): {exc.message}") from exc
+
+
+def _check_encodable(text: str) -> None:
+    """ValueError where text holds what UTF-8 cannot encode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode: {e.reason} at position {e.start}") from None
 
 
 def _dedupe(ids: Sequence[int]) -> list[int]:

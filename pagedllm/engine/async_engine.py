@@ -265,6 +265,10 @@ class AsyncLLM:
             self._streams[command.request_id] = command.stream
         except ValueError as e:
             command.stream.put_threadsafe(e)
+        except Exception as e:  # noqa: BLE001 - one request that cannot be added ends alone
+            logger.exception("adding request %s failed", command.request_id)
+            command.stream.put_threadsafe(ValueError(f"the request could not be added: "
+                                                     f"{type(e).__name__}: {e}"))
         finally:
             with self._pending_lock:
                 self._pending_adds -= 1

@@ -186,6 +186,11 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if sp.bad_words:
+            try:
+                self.bad_words_token_ids(sp.bad_words)
+            except ValueError as e:
+                raise ValueError(f"bad_words: {e}") from None
         for name, ids in (("logit_bias", sp.logit_bias), ("allowed_token_ids", sp.allowed_token_ids),
                           ("stop_token_ids", sp.stop_token_ids)):
             bad = [t for t in ids or () if t >= vocab]

@@ -55,6 +55,18 @@ FIELD_VALUES = {
     "stop_token_ids": token_ids | values, "stream": values, "ignore_eos": values,
     "stream_options": values, "model": values, "user": values,
     "include_stop_str_in_output": values, "skip_special_tokens": values,
+    "logit_bias": values | st.dictionaries(edge_text | token_ids.map(str), numbers, max_size=4),
+    "allowed_token_ids": token_ids | values,
+    "bad_words": values | st.lists(edge_text, max_size=4),
+    "response_format": values | st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | values},
+        optional={"json_schema": values | st.fixed_dictionaries(
+            {"name": edge_text}, optional={"schema": values, "strict": values})}),
+    "structured_outputs": values | st.dictionaries(
+        st.sampled_from(["json", "json_object", "regex", "choice", "grammar", "other"]),
+        values | edge_text | st.sampled_from(
+            ["a{1000}{1000}", "(a|b)*c[", "start: x", "root ::= [a-z]+", "[\\w]{1,99999}",
+             '{"type": "string", "pattern": "(x+)+y"}']), min_size=1, max_size=2),
 }
 UNKNOWN_FIELD = "not_a_field"
 

@@ -1,15 +1,15 @@
 """Request models of the OpenAI-compatible API, validated at the boundary.
 
-Every model forbids fields it does not declare: a field we do not support (tools,
-logit_bias, response_format, ...) is a 400 that names it, never silently ignored.
+Every model forbids fields it does not declare: a field we do not support is a 400 that
+names it, never silently ignored.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Strict(BaseModel):
@@ -18,6 +18,31 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema (the schema itself under "schema")."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: one of json (a schema), json_object, regex, choice,
+    grammar (Lark or GBNF)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(_Strict):
@@ -49,6 +74,34 @@ class _SamplingFields(_Strict):
     best_of: int | None = Field(default=None, ge=1)
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Token controls and structured outputs (OpenAI's logit_bias and response_format,
+    # vLLM's allowed_token_ids, bad_words and structured_outputs)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint of response_format or structured_outputs (not both)."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise ValueError("response_format and structured_outputs both constrain the output; "
+                             "send one")
+        if so is not None:
+            return StructuredOutputsParams(json=so.json_, json_object=so.json_object,
+                                           regex=so.regex, choice=so.choice, grammar=so.grammar)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+    def _controls(self) -> dict[str, Any]:
+        return {"logit_bias": self.logit_bias, "allowed_token_ids": self.allowed_token_ids,
+                "bad_words": self.bad_words, "structured_outputs": self.constraint()}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; raises ValueError naming a bad field.
@@ -68,7 +121,7 @@ class _SamplingFields(_Strict):
                 repetition_penalty=self.repetition_penalty,
                 skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
                 use_beam_search=True, length_penalty=self.length_penalty,
-                early_stopping=self.early_stopping)
+                early_stopping=self.early_stopping, **self._controls())
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of ({self.best_of}) > n ({self.n}) needs use_beam_search: "
                              f"sampled completions are not ranked")
@@ -80,7 +133,7 @@ class _SamplingFields(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, **self._controls())
 
 
 class CompletionRequest(_SamplingFields):

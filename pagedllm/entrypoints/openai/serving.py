@@ -54,6 +54,16 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), str(e).split()[0]) from None
 
+    async def _compile(self, sp: SamplingParams, param: str) -> None:
+        """Compile the request's output constraint off the engine thread (the engine then
+        finds it cached): a constraint that does not compile is a 400."""
+        if sp.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.grammars.matcher, sp.structured_outputs)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
+
     def _prepare(self, prefix: str, prompts: list[str | list[int]], sp: SamplingParams,
                  n: int, include_usage: bool) -> _Prepared:
         try:
@@ -86,6 +96,7 @@ class OpenAIServing:
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty", "prompt")
+        await self._compile(sp, _constraint_param(req))
         prep = self._prepare("cmpl", prompts, sp, req.n,
                              bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
@@ -157,6 +168,7 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - the template's own message says what is wrong
             raise APIError(400, f"the chat template failed: {e}", "messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # BOS is in the template
+        await self._compile(sp, _constraint_param(req))
         prep = self._prepare("chatcmpl", [prompt], sp, req.n,
                              bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
@@ -210,6 +222,10 @@ class OpenAIServing:
     def _usage_chunk(self, prep: _Prepared, obj: str, finals: list[RequestOutput]) -> dict:
         return {"id": prep.request_id, "object": obj, "created": prep.created,
                 "model": self.model_name, "choices": [], "usage": _usage(finals, prep.n)}
+
+
+def _constraint_param(req: CompletionRequest | ChatCompletionRequest) -> str:
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
 
 
 def _choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionOutput]]:
