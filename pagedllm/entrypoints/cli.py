@@ -74,7 +74,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           served_model_name=args.served_model_name,
                           max_body_bytes=args.max_body_bytes,
                           max_waiting_requests=args.max_waiting_requests,
-                          keep_alive_on_engine_death=args.keep_alive_on_engine_death)
+                          keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+                          tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser)
     sock = bind_socket(server)  # before the model loads: a port in use fails at once
     try:
         engine = AsyncLLM.from_config(EngineConfig.from_cli_args(args, model=model),
@@ -93,6 +95,8 @@ def _model_name(model: str | None) -> str:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
+    from pagedllm.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
     p.add_argument("model_path", nargs="?", default=None, metavar="PATH",
                    help="GGUF file or HF directory (default: the bundled SmolLM2-135M-Instruct)")
     g = p.add_argument_group("server")
@@ -109,6 +113,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive-on-engine-death", action="store_true",
                    help="if the engine dies, keep answering 503 instead of exiting with code 1 "
                         "(the default, so that a supervisor restarts the server)")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the tool-call format of the model's output (default: the one its chat "
+                        "template teaches; hermes where it teaches none)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split <think>...</think> into the message's reasoning_content "
+                        "(qwen3: the model opens <think>; deepseek_r1: the template does)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,8 +22,11 @@ from pagedllm.entrypoints.openai.errors import (APIError, error_body, error_resp
 from pagedllm.entrypoints.openai.jobs import JobStore
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  GenerateRequest)
+                                                  DetokenizeRequest, GenerateRequest,
+                                                  TokenizeRequest)
+from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.serving import OpenAIServing
+from pagedllm.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class ServerConfig:
     # After the engine dies the process exits (code 1) so that a supervisor restarts it, as
     # vLLM does; with this set it stays up answering 503 (and /health 503) instead.
     keep_alive_on_engine_death: bool = False
+    tool_call_parser: str | None = None    # tool_parsers.PARSERS; None: from the template
+    reasoning_parser: str | None = None    # reasoning.PARSERS; None: no split
 
 
 class BodySizeLimit:
@@ -115,7 +120,10 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
     metrics = ServerMetrics()
     engine.step_observers.append(metrics.observe_step)
     engine.abort_observers.append(metrics.forget)
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(
+        engine, model_name,
+        TOOL_PARSERS[config.tool_call_parser]() if config.tool_call_parser else None,
+        REASONING_PARSERS[config.reasoning_parser]() if config.reasoning_parser else None)
     jobs = JobStore(engine)
 
     @asynccontextmanager
@@ -159,6 +167,14 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        return serving.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        return serving.detokenize(req)
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> dict:

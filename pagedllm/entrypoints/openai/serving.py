@@ -13,10 +13,15 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError
 from pagedllm.entrypoints.openai.errors import APIError, error_body
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.chat_utils import RESERVED_TEMPLATE_ARGS, conversation
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, NamedToolChoice, Tool,
+                                                  TokenizeRequest)
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser
+from pagedllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, parser_for_template
 from pagedllm.entrypoints.openai.streaming import DeltaTracker, merge, sse
 from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer import Tokenizer
 
 RETRY_AFTER_SECONDS = 1
@@ -36,10 +41,14 @@ class _Prepared:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.model_name = model_name
+        # the tool-call format: --tool-call-parser, else the one the chat template teaches
+        self.tool_parser = tool_parser or parser_for_template(self.tokenizer.chat_template)
+        self.reasoning_parser = reasoning_parser
 
     # ---- shared validation --------------------------------------------------------------------
 
@@ -161,37 +170,113 @@ class OpenAIServing:
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         sp = self._sampling_params(lambda: req.sampling_params(max_tokens, num_logprobs))
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - the template's own message says what is wrong
-            raise APIError(400, f"the chat template failed: {e}", "messages") from None
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # BOS is in the template
-        await self._compile(sp, _constraint_param(req))
+        tools = self._tools_in_use(req, sp)
+        prompt = self.tokenizer.encode(self._render(req, tools is not None),
+                                       add_special_tokens=False)  # BOS is in the template
+        await self._compile(sp, "tool_choice" if _forces_tool(req) else _constraint_param(req))
         prep = self._prepare("chatcmpl", [prompt], sp, req.n,
                              bool(req.stream_options and req.stream_options.include_usage))
+        reply = _Reply(self.tool_parser if tools is not None else None, self.reasoning_parser)
         if req.stream:
-            return _event_stream(self._chat_events(prep))
+            return _event_stream(self._chat_events(prep, reply))
         finals = await _collect(self._streams(prep), raw)
-        choices = [{"index": index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.logprobs) if num_logprobs is not None else None,
-                    "finish_reason": c.finish_reason}
-                   for index, c in _choices(finals, prep.n)]
+        choices = []
+        for index, c in _choices(finals, prep.n):
+            message, finish_reason = reply.message(c.text, c.finish_reason)
+            choices.append({"index": index, "message": message, "finish_reason": finish_reason,
+                            "logprobs": self._chat_logprobs(c.logprobs)
+                            if num_logprobs is not None else None})
         return {"id": prep.request_id, "object": "chat.completion", "created": prep.created,
                 "model": self.model_name, "choices": choices, "usage": _usage(finals, prep.n)}
 
-    async def _chat_events(self, prep: _Prepared) -> AsyncIterator[str]:
+    def _tools_in_use(self, req: ChatCompletionRequest, sp: SamplingParams) -> list[Tool] | None:
+        """The request's tools unless tool_choice is none; for required or a named function,
+        sp gets the grammar that forces the call."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise APIError(400, "tool_choice needs tools", "tool_choice")
+            return None
+        if choice == "none":
+            return None
+        tools = req.tools
+        if isinstance(choice, NamedToolChoice):
+            tools = [t for t in req.tools if t.function.name == choice.function.name]
+            if not tools:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not "
+                                    f"among the tools", "tool_choice")
+        if _forces_tool(req):
+            if sp.use_beam_search:
+                raise APIError(400, "tool_choice required or a named function is not supported "
+                                    "with beam search", "tool_choice")
+            if sp.structured_outputs is not None:
+                raise APIError(400, "tool_choice required or a named function cannot be combined "
+                                    "with response_format or structured_outputs", "tool_choice")
+            functions = [{"name": t.function.name, "parameters": t.function.parameters}
+                         for t in tools]
+            grammar = self.tool_parser.grammar(functions, req.parallel_tool_calls
+                                               and not isinstance(choice, NamedToolChoice))
+            sp.structured_outputs = StructuredOutputsParams(grammar=grammar)
+        return req.tools
+
+    # ---- tokenizer endpoints ------------------------------------------------------------------
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", "prompt")
+        try:
+            if req.prompt is not None:
+                add_special = True if req.add_special_tokens is None else req.add_special_tokens
+                tokens = self.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+            else:
+                text = self._render(req, req.tools is not None)
+                tokens = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt" if req.prompt is not None else "messages") from None
+        return {"count": len(tokens), "max_model_len": self.engine.engine.config.max_model_len,
+                "tokens": tokens,
+                "token_strs": [self.tokenizer.id_to_token(t) for t in tokens]
+                if req.return_token_strs else None}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def _render(self, req: ChatCompletionRequest | TokenizeRequest, with_tools: bool) -> str:
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = RESERVED_TEMPLATE_ARGS & kwargs.keys()
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}",
+                           "chat_template_kwargs")
+        messages, tools = conversation(req.messages, req.tools if with_tools else None,
+                                       self.tokenizer.chat_template)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tools=tools, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the template's own message says what is wrong
+            raise APIError(400, f"the chat template failed: {e}", "messages") from None
+
+    async def _chat_events(self, prep: _Prepared, reply: _Reply) -> AsyncIterator[str]:
         sp = prep.sampling_params
         for index in range(len(prep.prompts) * prep.n):
             yield sse(self._chunk(prep, "chat.completion.chunk", {
                 "index": index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}))
+        streams: dict[int, _ReplyStream] = {}
         async for index, c, text, logprobs in self._deltas(prep):
-            yield sse(self._chunk(prep, "chat.completion.chunk", {
-                "index": index, "delta": {"content": text} if text else {},
-                "logprobs": self._chat_logprobs(logprobs) if sp.logprobs is not None else None,
-                "finish_reason": c.finish_reason}))
+            stream = streams.setdefault(index, _ReplyStream(reply))
+            for delta, finish_reason in stream.add(text, c.finish_reason):
+                yield sse(self._chunk(prep, "chat.completion.chunk", {
+                    "index": index, "delta": delta,
+                    "logprobs": self._chat_logprobs(logprobs)
+                    if sp.logprobs is not None else None,
+                    "finish_reason": finish_reason}))
+                logprobs = []
         if prep.include_usage:
             yield sse(self._usage_chunk(prep, "chat.completion.chunk", prep.finals))
 
@@ -222,6 +307,83 @@ class OpenAIServing:
     def _usage_chunk(self, prep: _Prepared, obj: str, finals: list[RequestOutput]) -> dict:
         return {"id": prep.request_id, "object": obj, "created": prep.created,
                 "model": self.model_name, "choices": [], "usage": _usage(finals, prep.n)}
+
+
+def _forces_tool(req: ChatCompletionRequest) -> bool:
+    return bool(req.tools) and (req.tool_choice == "required"
+                                or isinstance(req.tool_choice, NamedToolChoice))
+
+
+class _Reply:
+    """A chat completion's text as the message: reasoning split off, tool calls parsed."""
+
+    def __init__(self, tools: ToolParser | None, reasoning: ReasoningParser | None) -> None:
+        self.tools = tools
+        self.reasoning = reasoning
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return self.reasoning.split(text) if self.reasoning is not None else (None, text)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        reasoning, content = self.split(text)
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            parsed, calls = self.tools.parse(content)
+            content = parsed if calls else content
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [c.as_dict() for c in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
+
+
+class _ReplyStream:
+    """One streamed choice: deltas of reasoning, content and tool calls as the text grows.
+    Content that may begin a tool call is held back until it is a call or surely not."""
+
+    def __init__(self, reply: _Reply) -> None:
+        self.reply = reply
+        self.text = ""
+        self.sent_reasoning = 0
+        self.sent_content = 0
+        self.sent_calls = 0
+
+    def add(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
+        self.text += text
+        finished = finish_reason is not None
+        reasoning, content = self.reply.split(self.text)
+        parser = self.reply.tools
+        calls: list[ToolCall] = []
+        if parser is not None:
+            if finished:
+                parsed, calls = parser.parse(content)
+                visible = (parsed or "") if calls else content
+            else:
+                # (trailing whitespace waits: before a call it is not content)
+                visible = content[:parser.content_end(content)].rstrip()
+                calls = parser.complete_calls(content)
+        else:
+            visible = content
+        deltas: list[dict] = []
+        if reasoning and len(reasoning) > self.sent_reasoning:
+            deltas.append({"reasoning_content": reasoning[self.sent_reasoning:]})
+            self.sent_reasoning = len(reasoning)
+        if len(visible) > self.sent_content:
+            deltas.append({"content": visible[self.sent_content:]})
+            self.sent_content = len(visible)
+        for i, call in enumerate(calls[self.sent_calls:], start=self.sent_calls):
+            deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+        self.sent_calls = max(self.sent_calls, len(calls))
+        if finished:
+            if self.sent_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            return [(d, None) for d in deltas] + [({}, finish_reason)]
+        return [(d, None) for d in deltas]
 
 
 def _constraint_param(req: CompletionRequest | ChatCompletionRequest) -> str:
