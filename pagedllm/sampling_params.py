@@ -122,8 +122,10 @@ class SamplingParams:
             fail(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            fail(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed <= 2**64 - self.n):
+            # (torch's generators take seeds in [-2**63, 2**64); sample i takes seed + i)
+            fail(f"seed must be an integer in [-2**63, 2**64 - n], got {self.seed!r}")
         if self.max_tokens is not None and (
                 not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                 or self.max_tokens < 1):

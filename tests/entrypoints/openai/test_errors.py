@@ -36,7 +36,8 @@ def model(server):
 
 @pytest.mark.parametrize("extra, status, words, param", [
     ({"tools": [{"type": "function"}]}, 400, ["unsupported field", "tools"], "tools"),
-    ({"logit_bias": {"1": 5}}, 400, ["logit_bias"], "logit_bias"),
+    ({"logit_bias": {"1": 500}}, 400, ["logit_bias", "[-100, 100]"], "logit_bias"),
+    ({"response_format": {"type": "xml"}}, 400, ["response_format"], "response_format.type"),
     ({"temperature": -1}, 400, ["temperature"], "temperature"),
     ({"top_p": 0}, 400, ["top_p"], "top_p"),
     ({"max_tokens": 0}, 400, ["max_tokens"], "max_tokens"),
@@ -58,9 +59,9 @@ def test_openai_client_sees_the_errors(server, model):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError, match="response_format"):
+    with pytest.raises(openai.BadRequestError, match="modalities"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
+                                       modalities=["audio"])
 
 
 def test_prompt_too_long_says_the_limit(server, model):
