@@ -50,6 +50,9 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens
+    # before it and the k most likely there (the first token has none: None).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

@@ -80,6 +80,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens, with this many top alternatives each (vLLM's name);
+    # such a request computes its whole prompt (no prefix-cache hits).
+    prompt_logprobs: int | None = None
     # Token controls (OpenAI's logit_bias, vLLM's allowed_token_ids and bad_words): a bias
     # added to each listed token's logit (-100..100; OpenAI's JSON keys are strings), the
     # only tokens that may be sampled, and words whose last token is banned wherever the
@@ -148,6 +151,10 @@ class SamplingParams:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             fail(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= 20):
+            fail(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or not all(_is_token_id(t) for t in self.allowed_token_ids)):
@@ -181,7 +188,7 @@ class SamplingParams:
                  "at the model's EOS tokens)")
         if self.has_penalties:
             fail("penalties (repetition, presence, frequency) are not supported with beam search")
-        if self.logprobs is not None:
+        if self.logprobs is not None or self.prompt_logprobs is not None:
             fail("logprobs are not supported with beam search")
         if self.has_token_controls or self.structured_outputs is not None:
             fail("logit_bias, allowed_token_ids, bad_words and structured outputs are not "

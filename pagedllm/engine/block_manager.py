@@ -144,6 +144,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], []
         hashes = self._block_hashes(seq, len(seq) // self.block_size)
+        if seq.prompt_logprobs is not None:  # it needs the logits of every prompt token
+            return hashes, []
         reusable = (len(seq) - 1) // self.block_size
         return hashes, self._cached_block_ids(seq, hashes[:reusable])
 

@@ -514,7 +514,9 @@ class LLMEngine:
                                         list(s.logprobs) if s.logprobs is not None else None)
                        for i, s in enumerate(state.samples)]
         return RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, completions,
-                             finished, state.metrics, state.error)
+                             finished, state.metrics, state.error,
+                             prompt_logprobs=list(seq.prompt_logprobs)
+                             if seq.prompt_logprobs is not None else None)
 
     def _beam_output(self, state: _RequestState) -> RequestOutput:
         """The finished hypotheses, best first (or the live beams while it runs)."""

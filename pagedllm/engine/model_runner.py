@@ -40,6 +40,7 @@ from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, co
 from pagedllm.layers.structured_output import fill_token_masks
 from pagedllm.loader.model_loader import build_model, decode_read_bytes, linear_kernels
 from pagedllm.models.config import ModelConfig
+from pagedllm.outputs import TokenLogprobs
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -323,19 +324,27 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> SamplerOutput:
         """Compute the batch's tokens; sample one token id (and its logprobs, if asked) per
-        batch.samplers entry. move_blocks(batch) must have run first."""
+        batch.samplers entry; record prompt logprobs where asked. move_blocks(batch) must
+        have run first."""
         input_ids, positions = self.prepare_inputs(batch.seqs, batch.num_new_tokens)
         try:
+            targets = _prompt_logprob_targets(batch)
+            logit_rows = _logit_rows(batch, targets)
             if self.world_size > 1:
-                logits = self._run_parallel(input_ids, positions, batch)
+                logits = self._run_parallel(input_ids, positions, logit_rows)
             else:
-                logits = self.execute_model(input_ids, positions, _logit_rows(batch))
+                logits = self.execute_model(input_ids, positions, logit_rows)
         finally:
             reset_context()
         if logits is None:  # nothing to sample (every row is a prompt chunk)
             return SamplerOutput([])
         if self.device.type != "cpu":  # the sampler and its generators live on the host
             logits = logits.cpu()
+        if targets:
+            record_prompt_logprobs(logits[len(batch.samplers):], targets)
+            logits = logits[:len(batch.samplers)]
+            if not batch.samplers:
+                return SamplerOutput([])
         self.beam_logprobs(batch, logits)
         sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids)
         if self.faults is not None:
@@ -405,10 +414,9 @@ class ModelRunner:
     # ---- tensor parallelism -------------------------------------------------------------------
 
     def _run_parallel(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      batch: ScheduledBatch) -> torch.Tensor | None:
+                      logit_rows: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: publish the step, run its shard with the others, get the gathered logits."""
         def step() -> torch.Tensor | None:
-            logit_rows = _logit_rows(batch)
             self.channel.publish(StepInputs(input_ids, positions, get_context(), logit_rows))
             return self.execute_model(input_ids, positions, logit_rows)
         return self._in_step(step)
@@ -460,11 +468,47 @@ def _bad_words_due(seq: Sequence) -> list[list[int]]:
             if len(ids) - 1 <= len(out) and (len(ids) == 1 or out[len(out) - len(ids) + 1:] == ids[:-1])]
 
 
-def _logit_rows(batch: ScheduledBatch) -> torch.Tensor:
+def _prompt_logprob_targets(batch: ScheduledBatch) -> list[tuple[Sequence, int, int]]:
+    """(sequence, flat token row, prompt index) for each prompt token whose logprob this step
+    computes: row p's logits give the logprob of the token at p + 1, for the prompt tokens
+    of a sequence asking prompt_logprobs that it has not recorded yet (a recomputed prompt,
+    after a preemption, is not recorded twice). Needs the Context."""
+    targets: list[tuple[Sequence, int, int]] = []
+    cu = get_context().cu_seqlens_q.tolist()
+    for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        if seq.prompt_logprobs is None or len(seq.prompt_logprobs) >= seq.num_prompt_tokens:
+            continue
+        start = seq.num_computed_tokens
+        for target in range(max(start + 1, len(seq.prompt_logprobs)),
+                            min(start + n, seq.num_prompt_tokens - 1) + 1):
+            targets.append((seq, cu[row] + target - 1 - start, target))
+    return targets
+
+
+def record_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Sequence, int, int]]) -> None:
+    """Append each target's TokenLogprobs (its log-softmax, fp32) to its sequence."""
+    logprobs = logits.float().log_softmax(-1)
+    ids = torch.tensor([seq.token_ids[target] for seq, _, target in targets])
+    chosen = logprobs.gather(-1, ids[:, None]).squeeze(-1).tolist()
+    k = max(seq.sampling_params.prompt_logprobs for seq, _, _ in targets)
+    top_values, top_ids = logprobs.topk(k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for i, (seq, _, target) in enumerate(targets):
+        n = seq.sampling_params.prompt_logprobs
+        assert len(seq.prompt_logprobs) == target
+        seq.prompt_logprobs.append(TokenLogprobs(
+            seq.token_ids[target], chosen[i],
+            list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))))
+
+
+def _logit_rows(batch: ScheduledBatch, targets: list[tuple[Sequence, int, int]]) -> torch.Tensor:
     """Index of the token whose logits each batch.samplers entry samples from (a row's last
-    token; a row sampled by several forks appears once per fork). Needs the Context."""
+    token; a row sampled by several forks appears once per fork), then the prompt-logprob
+    targets' rows. Needs the Context."""
     last = get_context().cu_seqlens_q[1:] - 1
-    return last[torch.tensor([row for _, row in batch.samplers], dtype=torch.int64)]
+    rows = last[torch.tensor([row for _, row in batch.samplers], dtype=torch.int64)]
+    if targets:
+        rows = torch.cat([rows, torch.tensor([r for _, r, _ in targets], dtype=torch.int64)])
+    return rows
 
 
 def _ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

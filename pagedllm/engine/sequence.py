@@ -65,6 +65,9 @@ class Sequence:
         # sampled token), and the bad words' token ids (SamplingParams.bad_words).
         self.grammar: Any = None
         self.bad_words_token_ids: list[list[int]] = []
+        # SamplingParams.prompt_logprobs: one entry per prompt token computed so far
+        self.prompt_logprobs: list[Any] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
 
     def __len__(self) -> int:
         return len(self.token_ids)

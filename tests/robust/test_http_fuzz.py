@@ -57,6 +57,10 @@ FIELD_VALUES = {
     "include_stop_str_in_output": values, "skip_special_tokens": values,
     "logit_bias": values | st.dictionaries(edge_text | token_ids.map(str), numbers, max_size=4),
     "allowed_token_ids": token_ids | values,
+    "echo": values, "prompt_logprobs": numbers | values,
+    "tools": values | st.lists(st.fixed_dictionaries({"type": values, "function": values}), max_size=2),
+    "tool_choice": values | st.sampled_from(["auto", "none", "required"]),
+    "chat_template_kwargs": values,
     "bad_words": values | st.lists(edge_text, max_size=4),
     "response_format": values | st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | values},

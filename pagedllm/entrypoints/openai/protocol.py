@@ -81,6 +81,8 @@ class _SamplingFields(_Strict):
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: logprobs of the prompt's tokens, with this many alternatives each
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The output constraint of response_format or structured_outputs (not both)."""
@@ -101,7 +103,11 @@ class _SamplingFields(_Strict):
 
     def _controls(self) -> dict[str, Any]:
         return {"logit_bias": self.logit_bias, "allowed_token_ids": self.allowed_token_ids,
-                "bad_words": self.bad_words, "structured_outputs": self.constraint()}
+                "bad_words": self.bad_words, "structured_outputs": self.constraint(),
+                "prompt_logprobs": self.prompt_logprobs_wanted()}
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; raises ValueError naming a bad field.
@@ -138,8 +144,15 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)   # 0 only with echo: the prompt alone
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """echo with logprobs returns the prompt's logprobs too (as lm-eval-harness reads)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -101,36 +101,55 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Any:
         self.check_model(req.model)
-        sp = self._sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs))
+        # max_tokens 0 with echo (the prompt's logprobs alone): one token, not returned
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+        sp = self._sampling_params(lambda: req.sampling_params(
+            1 if prompt_only else req.max_tokens, req.logprobs))
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty", "prompt")
         await self._compile(sp, _constraint_param(req))
         prep = self._prepare("cmpl", prompts, sp, req.n,
                              bool(req.stream_options and req.stream_options.include_usage))
+        echo = _Echo(self, req.echo, prompt_only, req.logprobs, req.prompt_logprobs)
         if req.stream:
-            return _event_stream(self._completion_events(prep))
+            return _event_stream(self._completion_events(prep, echo))
         finals = await _collect(self._streams(prep), raw)
-        choices = [{"index": index, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": self._completion_logprobs(c.logprobs)
-                    if sp.logprobs is not None else None}
-                   for index, c in _choices(finals, prep.n)]
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs[:prep.n]:
+                choices.append({"index": i * prep.n + c.index, **echo.choice(
+                    out, echo.text(out) + ("" if prompt_only else c.text),
+                    [] if prompt_only else c.logprobs or [], True),
+                    "finish_reason": "length" if prompt_only else c.finish_reason})
         return {"id": prep.request_id, "object": "text_completion", "created": prep.created,
-                "model": self.model_name, "choices": choices, "usage": _usage(finals, prep.n)}
+                "model": self.model_name, "choices": choices,
+                "usage": _usage(finals, prep.n, counts_generated=not prompt_only)}
 
-    async def _completion_events(self, prep: _Prepared) -> AsyncIterator[str]:
-        sp = prep.sampling_params
-        async for index, c, text, logprobs in self._deltas(prep):
+    async def _completion_events(self, prep: _Prepared, echo: _Echo) -> AsyncIterator[str]:
+        started: set[int] = set()
+        async for index, c, text, logprobs, out in self._deltas(prep):
+            first = index not in started
+            started.add(index)
+            if echo.prompt_only:
+                text, logprobs = "", []
+                if c.finish_reason is None:
+                    continue
+            if first:
+                text = echo.text(out) + text
             yield sse(self._chunk(prep, "text_completion", {
-                "index": index, "text": text, "finish_reason": c.finish_reason,
-                "logprobs": self._completion_logprobs(logprobs) if sp.logprobs is not None else None}))
+                "index": index, **echo.choice(out, text, logprobs, first),
+                "finish_reason": "length" if echo.prompt_only and c.finish_reason else c.finish_reason}))
         if prep.include_usage:
-            yield sse(self._usage_chunk(prep, "text_completion", prep.finals))
+            yield sse(self._usage_chunk(prep, "text_completion", prep.finals,
+                                        counts_generated=not echo.prompt_only))
 
-    async def _deltas(self, prep: _Prepared
-                      ) -> AsyncIterator[tuple[int, CompletionOutput, str, list[TokenLogprobs]]]:
-        """(choice index, completion, new text, new logprobs) whenever a choice has news;
-        the finished outputs are left in prep.finals for the usage."""
+    async def _deltas(self, prep: _Prepared) -> AsyncIterator[
+            tuple[int, CompletionOutput, str, list[TokenLogprobs], RequestOutput]]:
+        """(choice index, completion, new text, new logprobs, the request's output) whenever
+        a choice has news; the finished outputs are left in prep.finals for the usage."""
         n = prep.n
         trackers: dict[int, DeltaTracker] = {}
         finals: dict[int, RequestOutput] = {}
@@ -146,20 +165,38 @@ class OpenAIServing:
                         continue
                     text, logprobs = tracker.delta(c)
                     if text or c.finish_reason is not None:
-                        yield index, c, text, logprobs
+                        yield index, c, text, logprobs, out
         prep.finals = [finals[i] for i in sorted(finals)]
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs] | None) -> dict | None:
-        if logprobs is None:
-            return None
-        tokens = [self._token_str(lp.token_id) for lp in logprobs]
-        offsets, offset = [], 0
-        for token in tokens:
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs | None],
+                             first_token: int | None = None) -> dict:
+        """OpenAI's completion logprobs; a None entry (the prompt's first token, echoed:
+        first_token) has no logprob."""
+        tokens, offsets, offset, token_logprobs, tops = [], [], 0, [], []
+        for lp in logprobs:
+            token = self._token_str(lp.token_id if lp is not None else first_token)
+            tokens.append(token)
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in logprobs],
+            token_logprobs.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {self._token_str(t): v for t, v in lp.top})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _prompt_logprobs(self, logprobs: list[TokenLogprobs | None]) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token, {token id: logprob, rank, decoded token}
+        for the token itself and the top alternatives."""
+        result: list[dict | None] = []
+        for lp in logprobs:
+            if lp is None:
+                result.append(None)
+                continue
+            entry = {str(t): {"logprob": v, "rank": rank, "decoded_token": self._token_str(t)}
+                     for rank, (t, v) in enumerate(lp.top, start=1)}
+            entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "rank": None,
+                                                "decoded_token": self._token_str(lp.token_id)})
+            result.append(entry)
+        return result
 
     # ---- chat ---------------------------------------------------------------------------------
 
@@ -186,8 +223,11 @@ class OpenAIServing:
             choices.append({"index": index, "message": message, "finish_reason": finish_reason,
                             "logprobs": self._chat_logprobs(c.logprobs)
                             if num_logprobs is not None else None})
-        return {"id": prep.request_id, "object": "chat.completion", "created": prep.created,
-                "model": self.model_name, "choices": choices, "usage": _usage(finals, prep.n)}
+        response = {"id": prep.request_id, "object": "chat.completion", "created": prep.created,
+                    "model": self.model_name, "choices": choices, "usage": _usage(finals, prep.n)}
+        if sp.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._prompt_logprobs(finals[0].prompt_logprobs or [])
+        return response
 
     def _tools_in_use(self, req: ChatCompletionRequest, sp: SamplingParams) -> list[Tool] | None:
         """The request's tools unless tool_choice is none; for required or a named function,
@@ -268,7 +308,7 @@ class OpenAIServing:
                 "index": index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}))
         streams: dict[int, _ReplyStream] = {}
-        async for index, c, text, logprobs in self._deltas(prep):
+        async for index, c, text, logprobs, _ in self._deltas(prep):
             stream = streams.setdefault(index, _ReplyStream(reply))
             for delta, finish_reason in stream.add(text, c.finish_reason):
                 yield sse(self._chunk(prep, "chat.completion.chunk", {
@@ -304,9 +344,46 @@ class OpenAIServing:
             chunk["usage"] = None
         return chunk
 
-    def _usage_chunk(self, prep: _Prepared, obj: str, finals: list[RequestOutput]) -> dict:
+    def _usage_chunk(self, prep: _Prepared, obj: str, finals: list[RequestOutput],
+                     counts_generated: bool = True) -> dict:
         return {"id": prep.request_id, "object": obj, "created": prep.created,
-                "model": self.model_name, "choices": [], "usage": _usage(finals, prep.n)}
+                "model": self.model_name, "choices": [],
+                "usage": _usage(finals, prep.n, counts_generated)}
+
+
+class _Echo:
+    """A completion choice's text and logprobs, with the prompt echoed before them (echo) and
+    vLLM's prompt_logprobs beside them, as asked."""
+
+    def __init__(self, serving: OpenAIServing, echo: bool, prompt_only: bool,
+                 logprobs: int | None, prompt_logprobs: int | None) -> None:
+        self.serving = serving
+        self.echo = echo
+        self.prompt_only = prompt_only
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+
+    def text(self, out: RequestOutput) -> str:
+        if not self.echo:
+            return ""
+        if out.prompt is not None:
+            return out.prompt
+        return self.serving.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def choice(self, out: RequestOutput, text: str, logprobs: list[TokenLogprobs],
+               first: bool) -> dict:
+        """text, logprobs (and prompt_logprobs) of a choice or of its next stream chunk."""
+        entries: list[TokenLogprobs | None] = list(logprobs)
+        if first and self.echo and self.logprobs is not None:
+            entries = list(out.prompt_logprobs or []) + entries
+        choice: dict[str, Any] = {
+            "text": text,
+            "logprobs": self.serving._completion_logprobs(entries, out.prompt_token_ids[0])
+            if self.logprobs is not None else None}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = (self.serving._prompt_logprobs(out.prompt_logprobs or [])
+                                         if first else None)
+        return choice
 
 
 def _forces_tool(req: ChatCompletionRequest) -> bool:
@@ -396,10 +473,12 @@ def _choices(finals: list[RequestOutput], n: int) -> list[tuple[int, CompletionO
     return [(i * n + c.index, c) for i, out in enumerate(finals) for c in out.outputs[:n]]
 
 
-def _usage(finals: list[RequestOutput], n: int) -> dict:
-    """Prompt tokens of every prompt (once, whatever n) and the tokens of every choice."""
+def _usage(finals: list[RequestOutput], n: int, counts_generated: bool = True) -> dict:
+    """Prompt tokens of every prompt (once, whatever n) and the tokens of every choice
+    (none where the generated token is not returned: echo with max_tokens 0)."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for _, c in _choices(finals, n))
+    completion = (sum(len(c.token_ids) for _, c in _choices(finals, n))
+                  if counts_generated else 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

@@ -9,6 +9,7 @@ import enum
 import json
 import re
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -179,3 +180,31 @@ def test_bad_constraints_are_400s_naming_the_field(client, model):
             client.completions.create(model=model, prompt="x", max_tokens=2, extra_body=body)
         assert needle in str(info.value), (body, str(info.value))
     assert client.completions.create(model=model, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_echo_logprobs_equal_hf_with_the_prefix_cached(server, client, model, hf_smollm):
+    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 0) against HF's
+    log-softmax of the prompt, also once the prompt's blocks are in the prefix cache."""
+    import torch
+    prompt = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
+              "lazy dog. The quick brown fox jumps over the lazy")
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    with torch.inference_mode():
+        ref = hf_smollm(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for attempt in range(2):  # the second finds the prompt cached
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True,
+                                      logprobs=2)
+        c = r.choices[0]
+        assert c.text == prompt and c.finish_reason == "length"
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+        assert "".join(lp.tokens) == prompt
+        for p in range(1, len(ids)):
+            assert lp.token_logprobs[p] == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+            assert len(lp.top_logprobs[p]) >= 1
+        client.completions.create(model=model, prompt=prompt, max_tokens=1)  # cache it
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True))
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
+    assert streamed == prompt + plain.choices[0].text
