@@ -11,7 +11,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, Prompt
 from pagedllm.logger import init_logging
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
 Message = dict[str, str]
@@ -94,6 +94,15 @@ class LLM:
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt
         return outputs
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling: str = "last", normalize: bool = True,
+              use_tqdm: bool = True) -> list[list[float]]:
+        """Each prompt's embedding: its final hidden states (after the final norm) pooled by
+        the last token or the mean of all tokens, L2-normalised unless told not to."""
+        params = SamplingParams(temperature=0, max_tokens=1,
+                                pooling=PoolingParams(pooling, normalize))
+        outputs = self.generate(prompts, params, use_tqdm)
+        return [out.embedding for out in outputs]  # type: ignore[misc]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -53,6 +53,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens
     # before it and the k most likely there (the first token has none: None).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With SamplingParams.pooling: the prompt's pooled final hidden state (fp32 values).
+    embedding: list[float] | None = None
 
     @property
     def text(self) -> str:

@@ -8,6 +8,19 @@ from typing import Any
 
 
 @dataclass
+class PoolingParams:
+    """An embedding request: the prompt's final hidden states (after the final norm)
+    pooled, by the last token's or the mean of all, and L2-normalised unless told not to."""
+
+    pooling: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
+
+
+@dataclass
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's names): exactly one of a JSON schema (a dict or its
     JSON text), any JSON object, a regular expression, a choice of strings, or a grammar
@@ -91,6 +104,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # An embedding request (LLM.embed, /v1/embeddings): the output is the pooled hidden state
+    # (RequestOutput.embedding); one token is sampled and not returned.
+    pooling: PoolingParams | None = None
     # Beam search (as vLLM's LLM.beam_search / HF generate(num_beams=n)): n beams, scored
     # by log-prob sum / generated_length ** length_penalty; early_stopping True, False or
     # "never" as in transformers.
@@ -107,6 +123,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingParams(**self.pooling)
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
@@ -168,6 +186,9 @@ class SamplingParams:
                 self.structured_outputs, StructuredOutputsParams):
             fail(f"structured_outputs must be a StructuredOutputsParams, got "
                  f"{type(self.structured_outputs).__name__}")
+        if self.pooling is not None and (self.n != 1 or self.use_beam_search
+                                         or self.max_tokens != 1):
+            fail("an embedding request (pooling) takes n = 1, max_tokens = 1, no beam search")
         if self.use_beam_search:
             self._validate_beam_search(fail)
 

@@ -144,8 +144,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], []
         hashes = self._block_hashes(seq, len(seq) // self.block_size)
-        if seq.prompt_logprobs is not None:  # it needs the logits of every prompt token
-            return hashes, []
+        pooling = seq.sampling_params.pooling
+        if seq.prompt_logprobs is not None or (pooling is not None and pooling.pooling == "mean"):
+            return hashes, []  # it needs the logits or hidden states of every prompt token
         reusable = (len(seq) - 1) // self.block_size
         return hashes, self._cached_block_ids(seq, hashes[:reusable])
 

@@ -516,7 +516,8 @@ class LLMEngine:
         return RequestOutput(seq.request_id, state.prompt, seq.prompt_token_ids, completions,
                              finished, state.metrics, state.error,
                              prompt_logprobs=list(seq.prompt_logprobs)
-                             if seq.prompt_logprobs is not None else None)
+                             if seq.prompt_logprobs is not None else None,
+                             embedding=_embedding(seq) if finished else None)
 
     def _beam_output(self, state: _RequestState) -> RequestOutput:
         """The finished hypotheses, best first (or the live beams while it runs)."""
@@ -579,6 +580,17 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+def _embedding(seq: Sequence) -> list[float] | None:
+    """An embedding request's pooled hidden state, normalised where asked."""
+    pooling = seq.sampling_params.pooling
+    if pooling is None or seq.pooled is None:
+        return None
+    vector = seq.pooled / seq.num_pooled_tokens if pooling.pooling == "mean" else seq.pooled
+    if pooling.normalize:
+        vector = torch.nn.functional.normalize(vector, dim=0)
+    return vector.tolist()
 
 
 def _per_sample_params(sp: SamplingParams) -> list[SamplingParams]:

@@ -330,12 +330,17 @@ class ModelRunner:
         try:
             targets = _prompt_logprob_targets(batch)
             logit_rows = _logit_rows(batch, targets)
+            pools = _pooling_rows(batch)
+            hidden_rows = (torch.tensor([r for _, rows in pools for r in rows], dtype=torch.int64)
+                           if pools else None)
             if self.world_size > 1:
-                logits = self._run_parallel(input_ids, positions, logit_rows)
+                logits, hidden = self._run_parallel(input_ids, positions, logit_rows, hidden_rows)
             else:
-                logits = self.execute_model(input_ids, positions, logit_rows)
+                logits, hidden = self.execute_model(input_ids, positions, logit_rows, hidden_rows)
         finally:
             reset_context()
+        if hidden is not None:
+            pool_hidden_states(hidden.float().cpu(), pools)
         if logits is None:  # nothing to sample (every row is a prompt chunk)
             return SamplerOutput([])
         if self.device.type != "cpu":  # the sampler and its generators live on the host
@@ -364,21 +369,24 @@ class ModelRunner:
                 batch.samplers[i][0].beam_logprobs = lp
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      logit_rows: torch.Tensor) -> torch.Tensor | None:
-        """Forward pass of this rank under the current Context; logits of the tokens
+                      logit_rows: torch.Tensor, hidden_rows: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Forward pass of this rank under the current Context: the logits of the tokens
         logit_rows indexes (None when it is empty, and on ranks > 0, which only contribute
-        their shard of the vocabulary)."""
+        their shard of the vocabulary), and the final hidden states of hidden_rows (for
+        pooling; None without)."""
         if self.device.type != "cpu":
             input_ids, positions = self._to_device(input_ids, positions)
-        if self._keeps_rows(logit_rows, input_ids.numel()):
+        if hidden_rows is None and self._keeps_rows(logit_rows, input_ids.numel()):
             # only the sampled tokens' hidden states (the model skips the others' last layer)
             hidden = self.model(input_ids, positions, keep_rows=logit_rows.to(input_ids.device))
-            return self.model.compute_logits(hidden)  # type: ignore[operator]
+            return self.model.compute_logits(hidden), None  # type: ignore[operator]
         hidden = self._forward(input_ids, positions)
+        pooled = None if hidden_rows is None else hidden[hidden_rows.to(hidden.device)]
         if not logit_rows.numel():
-            return None
-        hidden = hidden[logit_rows.to(hidden.device)]
-        return self.model.compute_logits(hidden)  # type: ignore[operator]
+            return None, pooled
+        logits = self.model.compute_logits(hidden[logit_rows.to(hidden.device)])  # type: ignore[operator]
+        return logits, pooled
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final hidden states of every token, by the executor this step takes: a
@@ -414,11 +422,14 @@ class ModelRunner:
     # ---- tensor parallelism -------------------------------------------------------------------
 
     def _run_parallel(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      logit_rows: torch.Tensor) -> torch.Tensor | None:
-        """Rank 0: publish the step, run its shard with the others, get the gathered logits."""
-        def step() -> torch.Tensor | None:
-            self.channel.publish(StepInputs(input_ids, positions, get_context(), logit_rows))
-            return self.execute_model(input_ids, positions, logit_rows)
+                      logit_rows: torch.Tensor, hidden_rows: torch.Tensor | None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0: publish the step, run its shard with the others, get the gathered logits
+        (and its hidden states, whole on every rank, for pooling)."""
+        def step() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            self.channel.publish(StepInputs(input_ids, positions, get_context(), logit_rows,
+                                            hidden_rows is not None))
+            return self.execute_model(input_ids, positions, logit_rows, hidden_rows)
         return self._in_step(step)
 
     def _in_step(self, fn: Callable[[], _T]) -> _T:
@@ -498,6 +509,37 @@ def record_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Sequence, i
         seq.prompt_logprobs.append(TokenLogprobs(
             seq.token_ids[target], chosen[i],
             list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))))
+
+
+def _pooling_rows(batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
+    """(sequence, flat token rows) whose final hidden states an embedding request pools this
+    step: every prompt row of the chunk (mean) or the prompt's last token (last). A
+    recompute after preemption pools nothing again. Needs the Context."""
+    pools: list[tuple[Sequence, list[int]]] = []
+    cu = get_context().cu_seqlens_q.tolist()
+    for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        pooling = seq.sampling_params.pooling
+        if pooling is None or seq.num_pooled_tokens >= seq.num_prompt_tokens:
+            continue
+        start = seq.num_computed_tokens
+        end = min(start + n, seq.num_prompt_tokens)
+        first = max(start, seq.num_pooled_tokens) if pooling.pooling == "mean" else end - 1
+        if pooling.pooling == "last" and end != seq.num_prompt_tokens:
+            continue
+        pools.append((seq, [cu[row] + p - start for p in range(first, end)]))
+    return pools
+
+
+def pool_hidden_states(hidden: torch.Tensor, pools: list[tuple[Sequence, list[int]]]) -> None:
+    """Add each pool's rows of hidden [sum of rows, H] (fp32) to its sequence."""
+    at = 0
+    for seq, rows in pools:
+        part = hidden[at:at + len(rows)]
+        at += len(rows)
+        total = part.sum(0)
+        seq.pooled = total if seq.pooled is None else seq.pooled + total
+        seq.num_pooled_tokens = (seq.num_prompt_tokens if seq.sampling_params.pooling.pooling == "last"
+                                 else seq.num_pooled_tokens + len(rows))
 
 
 def _logit_rows(batch: ScheduledBatch, targets: list[tuple[Sequence, int, int]]) -> torch.Tensor:

@@ -68,6 +68,10 @@ class Sequence:
         # SamplingParams.prompt_logprobs: one entry per prompt token computed so far
         self.prompt_logprobs: list[Any] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
+        # SamplingParams.pooling: the prompt's hidden states pooled so far (fp32 sum for mean,
+        # the last token's for last) and how many prompt tokens they cover
+        self.pooled: torch.Tensor | None = None
+        self.num_pooled_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -76,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_waiting_requests=args.max_waiting_requests,
                           keep_alive_on_engine_death=args.keep_alive_on_engine_death,
                           tool_call_parser=args.tool_call_parser,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser, pooling=args.pooling)
     sock = bind_socket(server)  # before the model loads: a port in use fails at once
     try:
         engine = AsyncLLM.from_config(EngineConfig.from_cli_args(args, model=model),
@@ -119,6 +119,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="split <think>...</think> into the message's reasoning_content "
                         "(qwen3: the model opens <think>; deepseek_r1: the template does)")
+    g.add_argument("--pooling", choices=["last", "mean"], default="last",
+                   help="how /v1/embeddings pools the prompt's final hidden states (default: "
+                        "the last token's); embeddings are L2-normalised")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -127,6 +127,31 @@ def test_hostile_field_values_get_4xx_naming_the_field(fuzz_server, client, endp
     check_response(response, field)
 
 
+OTHER_ENDPOINTS = {
+    "/v1/embeddings": ({"input": "hello"}, {
+        "input": values | token_ids | st.lists(token_ids, max_size=3) | st.lists(edge_text, max_size=3),
+        "encoding_format": values | st.sampled_from(["float", "base64", "binary"]),
+        "dimensions": numbers | values, "model": values, "user": values}),
+    "/tokenize": ({"prompt": "hello"}, {
+        "prompt": values, "messages": FIELD_VALUES["messages"], "add_special_tokens": values,
+        "tools": FIELD_VALUES["tools"], "chat_template_kwargs": values,
+        "return_token_strs": values}),
+    "/detokenize": ({"tokens": [1, 2]}, {"tokens": token_ids | values}),
+}
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(OTHER_ENDPOINTS)), data=st.data())
+def test_hostile_values_on_embeddings_and_tokenizer_endpoints(fuzz_server, client, path, data):
+    base, fields = OTHER_ENDPOINTS[path]
+    field = data.draw(st.sampled_from(sorted(fields) + [UNKNOWN_FIELD]), label="field")
+    body = {**base, field: data.draw(fields.get(field, values), label="value")}
+    content = json.dumps(body).encode("utf-8", errors="surrogatepass")
+    response = client.post(fuzz_server.url + path, content=content,
+                           headers={"content-type": "application/json"})
+    check_response(response, field)
+
+
 @FUZZ
 @given(raw=st.binary(max_size=300) | st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass")),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/generate"]),

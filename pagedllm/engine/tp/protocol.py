@@ -37,6 +37,9 @@ class StepInputs:
     positions: torch.Tensor
     context: Context
     logit_rows: torch.Tensor
+    # rank 0 pools hidden states this step: every rank runs the whole last layer (not only
+    # the logit rows'), so that their collectives match
+    full_forward: bool = False
 
 
 @dataclass

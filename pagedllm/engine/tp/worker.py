@@ -53,7 +53,8 @@ def serve_steps(runner: ModelRunner) -> None:
                 continue
             set_context(**vars(step.context))
             try:
-                runner.execute_model(step.input_ids, step.positions, step.logit_rows)
+                runner.execute_model(step.input_ids, step.positions, step.logit_rows,
+                                     torch.empty(0, dtype=torch.int64) if step.full_forward else None)
             finally:
                 reset_context()
         acknowledge_exit(runner.channel.store, runner.rank)

@@ -22,8 +22,8 @@ from pagedllm.entrypoints.openai.errors import (APIError, error_body, error_resp
 from pagedllm.entrypoints.openai.jobs import JobStore
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, GenerateRequest,
-                                                  TokenizeRequest)
+                                                  DetokenizeRequest, EmbeddingRequest,
+                                                  GenerateRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from pagedllm.entrypoints.openai.serving import OpenAIServing
 from pagedllm.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
@@ -48,6 +48,7 @@ class ServerConfig:
     keep_alive_on_engine_death: bool = False
     tool_call_parser: str | None = None    # tool_parsers.PARSERS; None: from the template
     reasoning_parser: str | None = None    # reasoning.PARSERS; None: no split
+    pooling: str = "last"                  # /v1/embeddings: last token or mean
 
 
 class BodySizeLimit:
@@ -123,7 +124,8 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
     serving = OpenAIServing(
         engine, model_name,
         TOOL_PARSERS[config.tool_call_parser]() if config.tool_call_parser else None,
-        REASONING_PARSERS[config.reasoning_parser]() if config.reasoning_parser else None)
+        REASONING_PARSERS[config.reasoning_parser]() if config.reasoning_parser else None,
+        config.pooling)
     jobs = JobStore(engine)
 
     @asynccontextmanager
@@ -167,6 +169,10 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> dict:
+        return await serving.embeddings(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -231,6 +231,21 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and all(isinstance(t, int) for t in self.input):
+            return [self.input]  # type: ignore[list-item]
+        return list(self.input)  # type: ignore[arg-type]
+
+
 class TokenizeRequest(_Strict):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 import time
 import uuid
 from contextlib import aclosing
@@ -15,13 +17,13 @@ from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullErr
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.chat_utils import RESERVED_TEMPLATE_ARGS, conversation
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, NamedToolChoice, Tool,
-                                                  TokenizeRequest)
+                                                  DetokenizeRequest, EmbeddingRequest,
+                                                  NamedToolChoice, Tool, TokenizeRequest)
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser
 from pagedllm.entrypoints.openai.tool_parsers import ToolCall, ToolParser, parser_for_template
 from pagedllm.entrypoints.openai.streaming import DeltaTracker, merge, sse
 from pagedllm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from pagedllm.tokenizer import Tokenizer
 
 RETRY_AFTER_SECONDS = 1
@@ -42,13 +44,14 @@ class _Prepared:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, tool_parser: ToolParser | None = None,
-                 reasoning_parser: ReasoningParser | None = None) -> None:
+                 reasoning_parser: ReasoningParser | None = None, pooling: str = "last") -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.model_name = model_name
         # the tool-call format: --tool-call-parser, else the one the chat template teaches
         self.tool_parser = tool_parser or parser_for_template(self.tokenizer.chat_template)
         self.reasoning_parser = reasoning_parser
+        self.pooling = pooling   # of /v1/embeddings: "last" or "mean"
 
     # ---- shared validation --------------------------------------------------------------------
 
@@ -258,6 +261,37 @@ class OpenAIServing:
                                                and not isinstance(choice, NamedToolChoice))
             sp.structured_outputs = StructuredOutputsParams(grammar=grammar)
         return req.tools
+
+    # ---- embeddings ---------------------------------------------------------------------------
+
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> dict:
+        self.check_model(req.model)
+        hidden = self.engine.engine.model_config.hidden_size
+        if req.dimensions is not None and req.dimensions != hidden:
+            raise APIError(400, f"dimensions: this model's embeddings have {hidden} dimensions; "
+                                f"reducing them is not supported", "dimensions")
+        inputs = req.inputs()
+        if not inputs:
+            raise APIError(400, "input is empty", "input")
+        sp = SamplingParams(temperature=0, max_tokens=1,
+                            pooling=PoolingParams(self.pooling, normalize=True))
+        try:
+            prompts = [self.engine.prepare(p, sp) for p in inputs]
+        except ValueError as e:
+            raise APIError(400, str(e), "input") from None
+        self._check_capacity(len(prompts))
+        prep = _Prepared(f"embd-{uuid.uuid4().hex}", int(time.time()), sp, prompts, 1, False)
+        finals = await _collect(self._streams(prep), raw)
+        data = []
+        for i, out in enumerate(finals):
+            vector = out.embedding or []
+            embedding: list[float] | str = (
+                base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+                if req.encoding_format == "base64" else vector)
+            data.append({"object": "embedding", "index": i, "embedding": embedding})
+        tokens = sum(len(p) for p in prompts)
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     # ---- tokenizer endpoints ------------------------------------------------------------------
 

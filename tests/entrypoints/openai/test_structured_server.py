@@ -208,3 +208,34 @@ def test_echo_logprobs_equal_hf_with_the_prefix_cached(server, client, model, hf
         model=model, prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True))
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
     assert streamed == prompt + plain.choices[0].text
+
+
+def test_embeddings_equal_hf_pooled_hidden_states(server, client, model, hf_smollm):
+    """/v1/embeddings (last-token pooling, normalised) of strings and token ids, float and
+    base64, against HF's final hidden state of the same prompt (fp32)."""
+    import base64
+
+    import numpy as np
+    import torch
+    texts = ["The capital of France is", "A longer sentence, to embed with the others in a batch."]
+    r = client.embeddings.create(model=model, input=texts)
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens > 0
+    ids = [httpx.post(server.url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    for text_ids, d in zip(ids, r.data):
+        with torch.inference_mode():
+            hidden = hf_smollm.model(torch.tensor([text_ids])).last_hidden_state[0, -1].float()
+        ref = torch.nn.functional.normalize(hidden, dim=0)
+        ours = torch.tensor(d.embedding)
+        assert torch.nn.functional.cosine_similarity(ours, ref, dim=0).item() > 0.999
+    by_ids = client.embeddings.create(model=model, input=ids[0])
+    assert by_ids.data[0].embedding == pytest.approx(r.data[0].embedding, abs=1e-6)
+    raw = httpx.post(server.url + "/v1/embeddings", json={
+        "input": texts[0], "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    decoded = np.frombuffer(base64.b64decode(raw), dtype="<f4")
+    assert decoded.tolist() == pytest.approx(r.data[0].embedding, abs=1e-6)
+    hidden_size = len(r.data[0].embedding)
+    assert client.embeddings.create(model=model, input="x", dimensions=hidden_size).data
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model=model, input="x", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.embeddings.create(model=model, input=[10**8])
