@@ -106,8 +106,12 @@ def check_response(response: httpx.Response, field: str) -> None:
         assert field in named, f"the error does not name {field!r}: {error}"
     elif "text/event-stream" in response.headers.get("content-type", ""):
         for line in response.text.splitlines():
-            if line.startswith("data: {") and '"error"' in line:
-                code = json.loads(line[6:])["error"].get("code") or 500
+            if not line.startswith("data: {"):
+                continue
+            error = json.loads(line[6:]).get("error")
+            if isinstance(error, dict):  # OpenAI's error body, or Anthropic's error event
+                code = error.get("code") or (400 if error.get("type") == "invalid_request_error"
+                                             else 500)
                 assert code < 500, f"in-stream {code} for {field}: {line[:500]}"
 
 
@@ -137,12 +141,30 @@ OTHER_ENDPOINTS = {
         "tools": FIELD_VALUES["tools"], "chat_template_kwargs": values,
         "return_token_strs": values}),
     "/detokenize": ({"tokens": [1, 2]}, {"tokens": token_ids | values}),
+    "/v1/responses": ({"input": "hello", "max_output_tokens": 4}, {
+        "input": values | st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["message", "function_call", "function_call_output", "x"]),
+             "role": values, "content": values, "call_id": values, "output": values,
+             "arguments": values}), max_size=3),
+        "instructions": values, "tools": values | st.lists(st.fixed_dictionaries(
+            {"type": values, "name": values, "parameters": values}), max_size=2),
+        "tool_choice": values, "max_output_tokens": numbers | values, "text": values,
+        "temperature": numbers, "previous_response_id": values, "stream": values}),
+    "/v1/messages": ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, {
+        "messages": values | st.lists(st.fixed_dictionaries(
+            {"role": values, "content": values | st.lists(st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "tool_use", "tool_result", "image"]),
+                 "text": values, "id": values, "input": values, "tool_use_id": values,
+                 "content": values}), max_size=2)}), max_size=3),
+        "system": values, "max_tokens": numbers | values, "stop_sequences": values,
+        "tools": values, "tool_choice": values, "output_config": values, "stream": values,
+        "temperature": numbers | values, "top_k": numbers | values}),
 }
 
 
 @FUZZ
 @given(path=st.sampled_from(sorted(OTHER_ENDPOINTS)), data=st.data())
-def test_hostile_values_on_embeddings_and_tokenizer_endpoints(fuzz_server, client, path, data):
+def test_hostile_values_on_the_other_endpoints(fuzz_server, client, path, data):
     base, fields = OTHER_ENDPOINTS[path]
     field = data.draw(st.sampled_from(sorted(fields) + [UNKNOWN_FIELD]), label="field")
     body = {**base, field: data.draw(fields.get(field, values), label="value")}

@@ -17,6 +17,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+from pagedllm.entrypoints.openai.anthropic import (MessagesRequest, anthropic_error,
+                                                   create_message)
 from pagedllm.entrypoints.openai.errors import (APIError, error_body, error_response,
                                                 validation_error)
 from pagedllm.entrypoints.openai.jobs import JobStore
@@ -25,6 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   DetokenizeRequest, EmbeddingRequest,
                                                   GenerateRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
+from pagedllm.entrypoints.openai.responses import ResponsesRequest, create_response
 from pagedllm.entrypoints.openai.serving import OpenAIServing
 from pagedllm.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -90,17 +93,21 @@ class BodySizeLimit:
 
 
 class ApiKeyAuth:
-    """401 unless `Authorization: Bearer <key>` matches (constant-time), as vLLM does."""
+    """401 unless `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) matches,
+    compared in constant time, as vLLM does."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+        if not (bearer or key):
             err = error_response(APIError(
                 401, "invalid or missing API key (send Authorization: Bearer <key>)"))
             return await err(scope, receive, send)
@@ -138,13 +145,18 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
 
     app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.exception_handler(APIError)
-    async def on_api_error(_: Request, err: APIError) -> JSONResponse:
+    def respond(request: Request, err: APIError) -> JSONResponse:
+        if request.url.path == "/v1/messages":  # Anthropic's clients read their own shape
+            return JSONResponse(anthropic_error(err), status_code=err.status, headers=err.headers)
         return error_response(err)
 
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, err: APIError) -> JSONResponse:
+        return respond(request, err)
+
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(list(err.errors())))
+    async def on_validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        return respond(request, validation_error(list(err.errors())))
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
@@ -169,6 +181,14 @@ def create_app(engine: AsyncLLM, config: ServerConfig, model_name: str) -> ASGIA
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.chat(req, raw)
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, raw: Request) -> Any:
+        return await create_message(serving, req, raw)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Any:
+        return await create_response(serving, req, raw)
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request) -> dict:

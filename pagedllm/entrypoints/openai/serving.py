@@ -203,7 +203,10 @@ class OpenAIServing:
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
+    async def prepare_chat(self, req: ChatCompletionRequest, prefix: str = "chatcmpl"
+                           ) -> tuple[_Prepared, _Reply]:
+        """A chat request validated, rendered and ready to run, and how its text becomes a
+        message (also for /v1/responses and /v1/messages, which map onto chat)."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -214,9 +217,14 @@ class OpenAIServing:
         prompt = self.tokenizer.encode(self._render(req, tools is not None),
                                        add_special_tokens=False)  # BOS is in the template
         await self._compile(sp, "tool_choice" if _forces_tool(req) else _constraint_param(req))
-        prep = self._prepare("chatcmpl", [prompt], sp, req.n,
+        prep = self._prepare(prefix, [prompt], sp, req.n,
                              bool(req.stream_options and req.stream_options.include_usage))
-        reply = _Reply(self.tool_parser if tools is not None else None, self.reasoning_parser)
+        return prep, _Reply(self.tool_parser if tools is not None else None, self.reasoning_parser)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        prep, reply = await self.prepare_chat(req)
+        sp = prep.sampling_params
+        num_logprobs = sp.logprobs
         if req.stream:
             return _event_stream(self._chat_events(prep, reply))
         finals = await _collect(self._streams(prep), raw)
@@ -461,6 +469,7 @@ class _ReplyStream:
         self.sent_reasoning = 0
         self.sent_content = 0
         self.sent_calls = 0
+        self.calls: list[ToolCall] = []   # the calls sent so far
 
     def add(self, text: str, finish_reason: str | None) -> list[tuple[dict, str | None]]:
         self.text += text
@@ -485,6 +494,7 @@ class _ReplyStream:
         if len(visible) > self.sent_content:
             deltas.append({"content": visible[self.sent_content:]})
             self.sent_content = len(visible)
+        self.calls += calls[self.sent_calls:]
         for i, call in enumerate(calls[self.sent_calls:], start=self.sent_calls):
             deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
                                            "function": {"name": call.name, "arguments": ""}}]})
@@ -564,17 +574,22 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], raw: Request
         raise _engine_error(e) from None
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+def _event_stream(events: AsyncIterator[str], done: bool = True,
+                  error: Callable[[APIError], str] | None = None) -> StreamingResponse:
+    """Server-sent events; an error after the headers went out is reported in the stream
+    (as `error` writes it, by default OpenAI's error body), then [DONE] where the API has it."""
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
         except Exception as e:  # noqa: BLE001 - the headers are sent: report in the stream
             err = _engine_error(e)
-            yield sse(error_body(err.status, err.message, err.param))
+            yield error(err) if error is not None else sse(error_body(err.status, err.message,
+                                                                      err.param))
         finally:
             await events.aclose()  # aborts whatever still runs (e.g. the client went away)
-        yield sse("[DONE]")
+        if done:
+            yield sse("[DONE]")
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

@@ -39,9 +39,11 @@ class DeltaTracker:
         return text, logprobs
 
 
-def sse(data: dict[str, Any] | str) -> str:
+def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
+    """One server-sent event: data (JSON unless a string), named where the API names them."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+    named = f"event: {event}\n" if event is not None else ""
+    return f"{named}data: {payload}\n\n"
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]
