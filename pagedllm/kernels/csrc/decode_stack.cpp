@@ -71,10 +71,10 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, const StackL
   return norm(x.reshape({-1, x.size(2)}), c10::nullopt, weight, l, s)[0].view(x.sizes());
 }
 
-// x [T, heads, D] rotated in place on each head's first rotary_dim dims.
+// x [T, heads, D] rotated in place on each head's first rotary_dim dims (0: all of them).
 void rotate(at::Tensor x, const StackLayer& l, const Step& s) {
   const bool long_rope = l.long_cos.has_value() && s.longest_context > l.long_after;
-  const at::Tensor dims = l.rotary_dim < x.size(2) ? x.narrow(2, 0, l.rotary_dim) : x;
+  const at::Tensor dims = 0 < l.rotary_dim && l.rotary_dim < x.size(2) ? x.narrow(2, 0, l.rotary_dim) : x;
   rotary_embedding(s.positions, dims, long_rope ? *l.long_cos : l.cos,
                    long_rope ? *l.long_sin : l.sin);
 }
@@ -145,6 +145,7 @@ at::Tensor moe_block(const at::Tensor& h, const StackMoE& m, const Step& s) {
   at::Tensor out = moe_experts(h.contiguous(), ids, weights.to(at::kFloat), m.gate_up, m.down,
                                s.small_rows);
   if (m.shared.has_value()) {
+    TORCH_CHECK(m.shared_gate.has_value(), "decode_layers: a shared expert needs its gate");
     const at::Tensor gate = at::sigmoid(linear(h, *m.shared_gate, s.small_rows, s.amx_rows));
     out = out + gate * dense_mlp(h, *m.shared, s);
   }

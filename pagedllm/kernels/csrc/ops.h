@@ -148,7 +148,7 @@ struct StackMoE {
 // unit_offset_norms: every norm of the layer scales by 1 + weight (Gemma). The attention:
 // its scale, window (0: none; a step where every row's context fits in it takes none, as
 // attention/cpu_paged.py) and score soft-cap (0: none). Rotary: each head's first
-// rotary_dim dims rotated by cos/sin [max_pos, rotary_dim] (fp32), or by long_cos/long_sin
+// rotary_dim dims (0: all) rotated by cos/sin [max_pos, rotary_dim] (fp32), or by long_cos/long_sin
 // where the step's rows are longer than long_after (LongRoPE; the caller makes sure they
 // all are or none is).
 struct StackLayer {
