@@ -316,7 +316,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
-def _longest_context(ctx: Context) -> int:
+def longest_context(ctx: Context) -> int:
     """The step's longest row in tokens (cached and new), 0 if the context does not say."""
     if ctx.seqlens_k:
         return max(ctx.seqlens_k)
@@ -329,7 +329,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               v_cache: torch.Tensor, ctx: Context, scale: float, window: int | None = None,
               softcap: float | None = None) -> torch.Tensor:
     """Same contract as torch_native.attention."""
-    if window is not None and 0 < _longest_context(ctx) <= window:
+    if window is not None and 0 < longest_context(ctx) <= window:
         window = None  # every row's context fits in the window: it hides nothing
     if not k_cache.numel():  # no cache bound (profiling runs): nothing to read in place
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)

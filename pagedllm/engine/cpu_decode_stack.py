@@ -2,21 +2,36 @@
 cuda_graph.py's replayed decode steps: the model runner picks, per step, the model's forward,
 a CUDA graph or this stack.
 
-The stack runs the kernels the model's per-op forward runs (models/llama.py on the CPU
-kernels: RMSNorm, the linears' methods and biases, q/k norms, rotary, store_kv, paged
-attention, SiLU-and-mul), in the same order on the same tensors, so its results are the
-same bit for bit. It saves the Python and torch dispatch around ~12-16 ops a layer: about
+The stack runs the kernels the model's per-op forward runs (on the CPU kernels: RMSNorm or
+Gemma's, the linears' methods and biases, q/k norms, rotary, store_kv, paged attention with
+the layer's window and soft-cap, SiLU-and-mul or torch's tanh GELU, a mixture of experts'
+routing and moe_experts), in the same order on the same tensors, so its results are the
+same bit for bit. It saves the Python and torch dispatch around ~12-20 ops a layer: about
 1 ms a step at one row for SmolLM2's 30 layers.
 
-It applies to Llama-structured layers (Llama, Qwen2 with its q/k/v biases, Qwen3 with its
-q/k norms, Mistral where the window is longer than the model; a dense MLP; no windows,
-soft-caps, partial or LongRoPE rotary, or tensor parallelism) on the cpu_paged backend,
-with bf16 weights or GGUF ones kept quantized. Its per-model arguments are gathered once (~0.65 ms) and checked each step
-by identity (~12 us), so a forward hook put on a layer (the step then runs op by op, and the
+Each layer is described as data (kernels/csrc/ops.h StackLayer), so the families differ in
+their descriptions, not in the C++ loop. It applies to:
+- Llama, Qwen2 / Qwen2.5 (q/k/v biases), Qwen3 (q/k norms), Mistral (any window);
+- Gemma 2 and 3 text layers: (1 + w) norms before and after the attention and the MLP,
+  GeGLU, query_pre_attn_scalar, soft-capped scores, interleaved sliding and global layers
+  each with its rope base (the embedding's scaling runs before the call, the final logits'
+  soft-cap after it, in compute_logits);
+- Phi-3 / Phi-4-mini: partial rotary and LongRoPE (steps whose rows straddle the original
+  context, some longer and some not, run op by op);
+- mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): the router's
+  torch softmax and top-k, then moe_experts;
+on the cpu_paged backend, one tensor-parallel rank, with bf16 weights or GGUF ones kept
+quantized. A step with a cascade (a prefix several rows share) runs op by op where some
+layer takes a window or soft-cap in it (those take no cascade).
+
+Its per-model arguments are gathered once (~0.65 ms for SmolLM2) and checked each step by
+identity (~12 us), so a forward hook put on a layer (the step then runs op by op, and the
 hook fires), a cache rebound or a weight repacked since is seen. `enforce_eager=True` turns
 it off.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -25,10 +40,16 @@ from pagedllm.attention import cpu_paged
 from pagedllm.attention.context import Context
 from pagedllm.kernels import ops, probes
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.linear_methods import OneDNNLinearMethod, PackedBf16LinearMethod
+from pagedllm.layers.moe import FusedMoE
+from pagedllm.models.gemma import GemmaDecoderLayer, GemmaMLP, GemmaModel
 from pagedllm.models.llama import MLP, DecoderLayer, DecoderModel
+from pagedllm.models.qwen3_moe import SparseMoeBlock
+
+# the norms the stack runs -> whether they scale by 1 + weight (the kernels' unit_offset)
+_NORM_KINDS: dict[type, bool] = {RMSNorm: False, GemmaRMSNorm: True}
 
 
 def _stack_linear(m: LinearBase) -> object | None:
@@ -54,80 +75,161 @@ def _stack_linear(m: LinearBase) -> object | None:
     return None
 
 
-class _StackArgs:
-    """The stack's per-model arguments: each layer's norms, linears and KV caches, the final
-    norm; with what they were taken from, to check them each step by identity. all_packed:
-    every linear computes from a packing that takes any row count (without one, a linear can
-    only take the weight-streaming kernel: up to probes.small_linear_rows() rows)."""
+def _attention_options(attn: Attention) -> tuple[int, float] | None:
+    """(window, soft-cap) of a layer that attends through cpu_paged's kernels (0: none),
+    None for another backend."""
+    impl = attn.impl
+    if impl is cpu_paged.attention:
+        return 0, 0.0
+    if isinstance(impl, functools.partial) and impl.func is cpu_paged.attention and not impl.args:
+        return impl.keywords.get("window") or 0, impl.keywords.get("softcap") or 0.0
+    return None
 
-    def __init__(self, layers: list[DecoderLayer], linears: list[LinearBase],
-                 stack_layers: list[object], attns: list[Attention], final_norm: torch.Tensor
-                 ) -> None:
-        self.layers, self.linears, self.stack_layers, self.attns = layers, linears, stack_layers, attns
-        self.final_norm = final_norm
-        self.packed = [m.packed_weight for m in linears]
-        self.parts = [m.gguf_parts for m in linears]
+
+class _StackArgs:
+    """The stack's per-model arguments: each layer's description (norms, linears, attention
+    options, rotary caches, MLP or experts, KV caches) and the final norm; with what they
+    were taken from, to check them each step by identity. all_packed: every linear computes
+    from a packing that takes any row count (without one, a linear can only take the
+    weight-streaming kernel: up to probes.small_linear_rows() rows)."""
+
+    def __init__(self, model: DecoderModel | GemmaModel) -> None:
+        self.layers: list[nn.Module] = list(model.layers)
+        self.eps: float = model.norm.eps
+        self.stack_layers: list[object] = []
+        self.linears: list[LinearBase] = []
+        self.attns: list[Attention] = []
+        self.experts: list[tuple[FusedMoE, tuple]] = []  # with the description gathered
+        self.attention_options: list[tuple[int, float]] = []  # (window, soft-cap) per layer
+        self.long_after: int | None = None  # LongRoPE's original context
+        self.final_norm = model.norm.weight
+
+    def finish(self) -> None:
+        """What the layers' descriptions leave to check each step."""
+        self.packed = [m.packed_weight for m in self.linears]
+        self.parts = [m.gguf_parts for m in self.linears]
         self.all_packed = all(m.packed_weight is not None or m.gguf_parts is not None
-                              for m in linears)
-        self.k_caches = [a.k_cache for a in attns]
-        self.v_caches = [a.v_cache for a in attns]
+                              for m in self.linears)
+        self.k_caches = [a.k_cache for a in self.attns]
+        self.v_caches = [a.v_cache for a in self.attns]
 
     def current(self) -> bool:
-        """Nothing hooks a layer, and the caches and packed weights are those gathered."""
+        """Nothing hooks a layer, and the caches, packed weights and experts are those
+        gathered."""
         return (not any(ops.has_forward_hooks(layer) for layer in self.layers)
                 and all(a.k_cache is k and a.v_cache is v
                         for a, k, v in zip(self.attns, self.k_caches, self.v_caches))
                 and all(m.packed_weight is w and m.gguf_parts is p
-                        for m, w, p in zip(self.linears, self.packed, self.parts)))
+                        for m, w, p in zip(self.linears, self.packed, self.parts))
+                and all(e.kernel_experts() is d for e, d in self.experts))
 
     @staticmethod
-    def gather(model: DecoderModel) -> _StackArgs | None:
+    def gather(model: DecoderModel | GemmaModel) -> _StackArgs | None:
         """The arguments, or None where the stack does not apply."""
-        layers, linears, stack_layers, attns = list(model.layers), [], [], []
-        for layer in layers:
-            if (type(layer) is not DecoderLayer or type(layer.mlp) is not MLP
-                    or ops.has_forward_hooks(layer)):
+        args = _StackArgs(model)
+        for layer in args.layers:
+            described = args._layer(layer)
+            if described is None:
                 return None
-            attn, mlp = layer.self_attn, layer.mlp
-            if (not attn.rotary_emb.plain or attn.qkv_proj.tp_size != 1
-                    or attn.attn.impl is not cpu_paged.attention or not attn.attn.k_cache.numel()):
-                return None
-            layer_linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            described = [_stack_linear(m) for m in layer_linears]
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if attn.q_norm is not None:
-                norms += [attn.q_norm.weight, attn.k_norm.weight]
-            if any(d is None for d in described) or any(
-                    type(n) is not RMSNorm for n in (layer.input_layernorm,
-                                                     layer.post_attention_layernorm)) or any(
-                    w.dtype != torch.bfloat16 for w in norms):
-                return None
-            q_norm = None if attn.q_norm is None else attn.q_norm.weight
-            k_norm = None if attn.k_norm is None else attn.k_norm.weight
-            stack_layers.append(ops.stack_layer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm,
-                k_norm, *described, attn.attn.k_cache, attn.attn.v_cache))
-            linears += layer_linears
-            attns.append(attn.attn)
-        if type(model.norm) is not RMSNorm or model.norm.weight.dtype != torch.bfloat16:
+            args.stack_layers.append(described)
+        final = model.norm
+        if (_NORM_KINDS.get(type(final)) != _NORM_KINDS[type(args.layers[0].input_layernorm)]
+                or final.weight.dtype != torch.bfloat16):
             return None
-        return _StackArgs(layers, linears, stack_layers, attns, model.norm.weight)
+        args.finish()
+        return args
+
+    def _layer(self, layer: nn.Module) -> object | None:
+        """A decoder layer's description (ops.h StackLayer), its linears, attention and
+        experts noted; None where the stack does not run it."""
+        if type(layer) not in (DecoderLayer, GemmaDecoderLayer) or ops.has_forward_hooks(layer):
+            return None
+        block = layer.self_attn
+        attn, options = block.attn, _attention_options(block.attn)
+        if options is None or block.qkv_proj.tp_size != 1 or not attn.k_cache.numel():
+            return None
+        norms = self._norms(layer)
+        qkv, o = _stack_linear(block.qkv_proj), _stack_linear(block.o_proj)
+        feed_forward = self._feed_forward(layer.mlp)
+        if norms is None or qkv is None or o is None or feed_forward is None:
+            return None
+        self.linears += [block.qkv_proj, block.o_proj]
+        self.attns.append(attn)
+        self.attention_options.append(options)
+        rotary = block.rotary_emb
+        rope = dict(rotary_dim=rotary.rotary_dim, cos=rotary.cos_cache, sin=rotary.sin_cache)
+        if rotary.long_after is not None:
+            self.long_after = rotary.long_after
+            rope.update(long_after=rotary.long_after, long_cos=rotary.long_cos_cache,
+                        long_sin=rotary.long_sin_cache)
+        window, softcap = options
+        return ops.stack_layer(**norms, qkv=qkv, o=o, scale=attn.scale, window=window,
+                               softcap=softcap, **rope, **feed_forward,
+                               k_cache=attn.k_cache, v_cache=attn.v_cache)
+
+    def _norms(self, layer: nn.Module) -> dict[str, object] | None:
+        """The layer's norm weights by their StackLayer names and unit_offset_norms; None
+        unless they are all of one kind the stack runs, bf16, with the model's eps."""
+        block = layer.self_attn
+        norms = {"input_norm": layer.input_layernorm,
+                 "post_attn_norm": layer.post_attention_layernorm}
+        if type(layer) is GemmaDecoderLayer:
+            norms.update(pre_mlp_norm=layer.pre_feedforward_layernorm,
+                         post_mlp_norm=layer.post_feedforward_layernorm)
+        if block.q_norm is not None:
+            norms.update(q_norm=block.q_norm, k_norm=block.k_norm)
+        kinds = {_NORM_KINDS.get(type(n)) for n in norms.values()}
+        if (len(kinds) != 1 or None in kinds
+                or any(n.weight.dtype != torch.bfloat16 or n.eps != self.eps
+                       for n in norms.values())):
+            return None
+        return {**{name: n.weight for name, n in norms.items()}, "unit_offset_norms": kinds.pop()}
+
+    def _feed_forward(self, mlp: nn.Module) -> dict[str, object] | None:
+        """{"mlp": a dense MLP's description} or {"moe": a mixture of experts'}; None where
+        the stack does not run the block."""
+        if type(mlp) in (MLP, GemmaMLP):
+            gate_up, down = _stack_linear(mlp.gate_up_proj), _stack_linear(mlp.down_proj)
+            if gate_up is None or down is None:
+                return None
+            self.linears += [mlp.gate_up_proj, mlp.down_proj]
+            return {"mlp": ops.stack_mlp(gate_up, down, gelu=type(mlp) is GemmaMLP)}
+        if type(mlp) is not SparseMoeBlock:
+            return None
+        experts = mlp.experts
+        described = experts.kernel_experts()
+        router = _stack_linear(mlp.gate)
+        if (described is None or router is None or experts.tp_size != 1
+                or experts.forward != experts.forward_grouped):
+            return None
+        fields = dict(router=router, gate_up=described[0], down=described[1],
+                      top_k=experts.top_k, renormalize=experts.renormalize,
+                      weights_in_fp32=experts.weights_in_fp32)
+        if mlp.shared_expert is not None:
+            shared, gate = self._feed_forward(mlp.shared_expert), _stack_linear(mlp.shared_expert_gate)
+            if shared is None or gate is None:
+                return None
+            self.linears.append(mlp.shared_expert_gate)
+            fields.update(shared=shared["mlp"], shared_gate=gate)
+        self.linears.append(mlp.gate)
+        self.experts.append((experts, described))
+        return {"moe": ops.stack_moe(**fields)}
 
 
 class CpuDecodeStack:
-    """The one-call decode executor of a Llama-structured model."""
+    """The one-call decode executor of a decoder model (models/llama.py's or gemma.py's)."""
 
-    def __init__(self, model: DecoderModel) -> None:
+    def __init__(self, model: DecoderModel | GemmaModel) -> None:
         self.model = model
         self.args: _StackArgs | None = None  # gathered at the first step it runs
 
     @staticmethod
     def for_model(model: nn.Module, dtype: torch.dtype) -> CpuDecodeStack | None:
         """The executor for a CPU model, or None where it can never apply: not bf16, no
-        AVX512-BF16 kernels, or not a Llama-structured decoder."""
+        AVX512-BF16 kernels, or not one of the decoders it describes."""
         decoder = getattr(model, "model", None)
         if dtype != torch.bfloat16 or not probes.has_avx512_bf16() \
-                or not isinstance(decoder, DecoderModel):
+                or not isinstance(decoder, (DecoderModel, GemmaModel)):
             return None
         return CpuDecodeStack(decoder)
 
@@ -146,22 +248,29 @@ class CpuDecodeStack:
         rows = input_ids.shape[0]
         if not args.all_packed and rows > probes.small_linear_rows():
             return None
+        longest = cpu_paged.longest_context(ctx)
+        if args.long_after is not None:  # LongRoPE: every row's rotation from one table
+            lengths = ctx.seqlens_k if ctx.seqlens_k is not None else ctx.context_lens.tolist()
+            if len({length > args.long_after for length in lengths}) > 1:
+                return None
+        # layers that take a window or soft-cap in this step take no cascade (cpu_paged)
+        uncascaded = [bool(window and longest > window) or softcap > 0
+                      for window, softcap in args.attention_options]
         first = self.model.layers[0].self_attn
-        plan = cpu_paged.decode_plan(ctx, rows, args.k_caches[0].shape[1])
+        block_size = args.k_caches[0].shape[1]
+        plan = (cpu_paged.decode_plan(ctx, rows, block_size, cascade=False) if all(uncascaded)
+                else cpu_paged.decode_plan(ctx, rows, block_size))
         prefix_blocks, prefix_first = None, -1
         if plan.prefixes:  # cascade: one prefix shared by every row, on the attention kernel
-            if (len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None
+            if (any(uncascaded) or len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None
                     or not cpu_paged.attention_kernel(torch.bfloat16, first.head_dim)):
                 return None
             prefix = plan.prefixes[0]
             prefix_blocks = prefix.blocks
             if isinstance(prefix.cache_index, slice):  # adjacent blocks: a view of the cache
                 prefix_first = prefix.cache_index.start
-        x = self.model.embed_tokens.forward(input_ids)
-        rotary = first.rotary_emb
-        return ops.decode_layers(x, positions, args.stack_layers, args.final_norm,
-                                 rotary.cos_cache, rotary.sin_cache, ctx.slot_mapping,
-                                 plan.tables, plan.q_starts, plan.q_lens, plan.k_lens,
-                                 first.num_heads, first.num_kv_heads, self.model.norm.eps,
-                                 first.attn.scale, probes.small_linear_rows(),
+        return ops.decode_layers(self.model.embed(input_ids), positions, args.stack_layers,
+                                 args.final_norm, ctx.slot_mapping, plan.tables, plan.q_starts,
+                                 plan.q_lens, plan.k_lens, longest, first.num_heads,
+                                 first.num_kv_heads, args.eps, probes.small_linear_rows(),
                                  probes.amx_linear_rows(), prefix_blocks, prefix_first)

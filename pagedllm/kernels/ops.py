@@ -145,9 +145,11 @@ def force_gguf_linear_isa(isa: str) -> None:
 
 # ---- elementwise (elementwise.cpp) ------------------------------------------------------------
 
-def rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> list[Tensor]:
-    """[norm(x)], or with a residual [norm(x + residual), x + residual]."""
-    return _ext.rms_norm(x, residual, weight, eps)
+def rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+             unit_offset: bool = False) -> list[Tensor]:
+    """[norm(x)], or with a residual [norm(x + residual), x + residual]; unit_offset:
+    Gemma's norm, scaling by 1 + weight in fp32 (rounded once)."""
+    return _ext.rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
@@ -180,23 +182,40 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: list[object],
     return _ext.moe_experts(x, ids, weights, gate_up, down, small_rows)
 
 
-def stack_layer(input_norm: Tensor, post_norm: Tensor, q_norm: Tensor | None,
-                k_norm: Tensor | None, qkv: object, o: object, gate_up: object, down: object,
-                k_cache: Tensor, v_cache: Tensor) -> object:
-    """A decoder layer's description for decode_layers (ops.h StackLayer)."""
-    return _ext.StackLayer(input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down,
-                           k_cache, v_cache)
+def _filled(description: object, fields: dict[str, object]) -> object:
+    for name, value in fields.items():  # an unknown name raises AttributeError
+        setattr(description, name, value)
+    return description
+
+
+def stack_mlp(gate_up: object, down: object, gelu: bool) -> object:
+    """A dense MLP's description for decode_layers (ops.h StackMLP); gelu: Gemma's GeGLU
+    (tanh GELU), else SiLU."""
+    activation = _ext.StackActivation.gelu_tanh if gelu else _ext.StackActivation.silu
+    return _filled(_ext.StackMLP(), dict(gate_up=gate_up, down=down, activation=activation))
+
+
+def stack_moe(**fields: object) -> object:
+    """A mixture-of-experts block's description for decode_layers (ops.h StackMoE: router,
+    gate_up, down, top_k, renormalize, weights_in_fp32, shared, shared_gate)."""
+    return _filled(_ext.StackMoE(), fields)
+
+
+def stack_layer(**fields: object) -> object:
+    """A decoder layer's description for decode_layers (ops.h StackLayer, field by field)."""
+    return _filled(_ext.StackLayer(), fields)
 
 
 def decode_layers(x: Tensor, positions: Tensor, layers: list[object], final_norm: Tensor,
-                  cos: Tensor, sin: Tensor, slot_mapping: Tensor, block_tables: Tensor,
-                  q_starts: Tensor, q_lens: Tensor, k_lens: Tensor, num_heads: int,
-                  num_kv_heads: int, eps: float, scale: float, small_rows: int, amx_rows: int,
+                  slot_mapping: Tensor, block_tables: Tensor, q_starts: Tensor,
+                  q_lens: Tensor, k_lens: Tensor, longest_context: int, num_heads: int,
+                  num_kv_heads: int, eps: float, small_rows: int, amx_rows: int,
                   prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
     """A bf16 decode step's decoder layers and final norm in one call (see ops.h)."""
-    return _ext.decode_layers(x, positions, layers, final_norm, cos, sin, slot_mapping,
-                              block_tables, q_starts, q_lens, k_lens, num_heads, num_kv_heads,
-                              eps, scale, small_rows, amx_rows, prefix_blocks, prefix_first)
+    return _ext.decode_layers(x, positions, layers, final_norm, slot_mapping, block_tables,
+                              q_starts, q_lens, k_lens, longest_context, num_heads,
+                              num_kv_heads, eps, small_rows, amx_rows, prefix_blocks,
+                              prefix_first)
 
 
 # ---- private torch ops -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """RMSNorm, with the residual add fused in (seed 002); Gemma's variant, which scales by
-1 + weight."""
+1 + weight. On the CPU both take one C++ loop (kernels/csrc/elementwise.cpp rms_norm)."""
 from __future__ import annotations
 
 import torch
@@ -67,3 +67,19 @@ class GemmaRMSNorm(CustomOp):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The same in one fused C++ loop for bf16 (fp32 keeps torch's ops, HF's own). A
+        3-D x (Gemma 3's q/k heads [T, heads, D]) is normed head by head, into a copy."""
+        if x.dtype != torch.bfloat16 or self.weight.dtype != x.dtype:
+            return self.forward_native(x, residual)
+        if x.dim() == 3 and residual is None:
+            return ops.rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps,
+                                unit_offset=True)[0].view(x.shape)
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return self.forward_native(x, residual)
+        if residual is None:
+            return ops.rms_norm(x, None, self.weight, self.eps, unit_offset=True)[0]
+        out, residual = ops.rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
+        return out, residual

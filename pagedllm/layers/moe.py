@@ -223,11 +223,19 @@ class FusedMoE(nn.Module):
         return out
 
     def _cpu_experts(self, x: torch.Tensor) -> tuple[list, list, int] | None:
+        """moe_experts' arguments after the rows (kernel_experts), None for rows it does not
+        take: not bf16 on the CPU."""
+        if not (x.dtype == torch.bfloat16 and x.is_cpu):
+            return None
+        return self.kernel_experts()
+
+    def kernel_experts(self) -> tuple[list, list, int] | None:
         """moe_experts' arguments after the rows: each expert's gate/up and down projections
         as the C++ kernels take them and up to how many rows bf16 ones stream their weight
-        (described once, again if the weights moved); None where moe_experts does not apply:
-        not bf16 rows on the CPU, no kernels, or fp32 weights (which keep torch's F.linear)."""
-        if not (x.dtype == torch.bfloat16 and x.is_cpu and self.use_kernel and probes.available()):
+        (described once, again if the weights moved: the same tuple while they stay); None
+        where moe_experts does not apply: no kernels, use_kernel off, or fp32 weights (which
+        keep torch's F.linear)."""
+        if not (self.use_kernel and probes.available()):
             return None
         if self.gguf_experts is not None:
             key: tuple = ("gguf", id(self.gguf_experts))

@@ -95,11 +95,15 @@ class GemmaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: the embeddings scaled."""
+        return self.embed_tokens.forward(input_ids) * self.embed_scale
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of every token, or of the rows keep_rows indexes (see
         DecoderModel.forward)."""
-        x, residual = self.embed_tokens.forward(input_ids) * self.embed_scale, None
+        x, residual = self.embed(input_ids), None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):  # a call: fault injection hooks layers
             x, residual = layer(positions, x, residual, keep_rows if i == last else None)

@@ -136,13 +136,17 @@ class DecoderModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input."""
+        return self.embed_tokens.forward(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of every token, or of the rows keep_rows indexes: then the
         last layer runs its attention output, MLP and the final norm on those rows only
         (every token's k and v are still cached), as llama.cpp does for the tokens whose
         logits are not needed."""
-        x, residual = self.embed_tokens.forward(input_ids), None
+        x, residual = self.embed(input_ids), None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):  # a call: fault injection hooks layers
             x, residual = layer(positions, x, residual, keep_rows if i == last else None)

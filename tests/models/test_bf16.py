@@ -221,8 +221,8 @@ def test_fused_decode_stack_with_cascade_attention_gives_the_per_op_forwards_res
     counts["cascade"] = 0
     plan = cpu_paged.decode_plan
 
-    def counting_plan(ctx, n, block_size):
-        result = plan(ctx, n, block_size)
+    def counting_plan(ctx, n, block_size, cascade=True):
+        result = plan(ctx, n, block_size, cascade)
         counts["cascade"] += bool(result.prefixes)
         return result
 

@@ -114,13 +114,51 @@ def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
     assert outs[0] == outs[1]
 
 
-def test_qwen2_biases_take_the_one_call_decode_stack_with_the_per_op_results(models,
-                                                                             monkeypatch):
-    """The decode stack adds q/k/v biases as the linear methods do: its decode steps give
-    the per-op forward's tokens and logprobs bit for bit (and it does run them)."""
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_the_one_call_decode_stack_gives_the_per_op_results(models, family, monkeypatch):
+    """The decode stack adds Qwen2's q/k/v biases as the linear methods do, and passes
+    Mistral's window (12, shorter than most prompts) to the attention kernel: its decode
+    steps give the per-op forward's tokens and logprobs bit for bit (and it does run
+    them)."""
     from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
-    built, prompts, _ = models("qwen2")
+    built, prompts, _ = models(family)
     assert_stack_equals_per_op(str(built.hf_dir), prompts, monkeypatch)
+
+
+def test_longrope_takes_the_decode_stack_on_either_side_of_the_original_context(
+        models, monkeypatch, tmp_path):
+    """Phi-3's partial rotary and LongRoPE in the decode stack, with an original context of
+    48 (transformers writes its configs' 4096 back, so the file is edited): two 40-token
+    prompts cross it together and switch to the long factors inside the stack, with the
+    per-op forward's tokens and logprobs bit for bit. A batch whose rows straddle it (one
+    longer, one not) runs those steps op by op, and the others in the stack."""
+    import json
+    import shutil
+
+    from test_bf16 import assert_stack_equals_per_op, counting_stack_steps
+    built, prompts, _ = models("phi3")
+    model = tmp_path / "phi3"
+    shutil.copytree(built.hf_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["original_max_position_embeddings"] = 48
+    config["rope_parameters"]["original_max_position_embeddings"] = 48
+    (model / "config.json").write_text(json.dumps(config))
+    ids = [t for p in prompts for t in p]
+    long_prompts = [ids[:40], ids[40:80]]
+    assert len(long_prompts[1]) == 40
+    assert_stack_equals_per_op(str(model), long_prompts, monkeypatch)
+    kwargs = dict(dtype="bfloat16", kv_cache_memory_bytes=16 * 2**20, max_model_len=512,
+                  enable_prefix_caching=False)
+    llm = LLM(str(model), **kwargs)
+    assert llm.engine.model_runner.model.model.layers[0].self_attn.rotary_emb.long_after == 48
+    straddling = [long_prompts[0], long_prompts[1][:30]]  # long from steps 9 and 19 on
+    counts = counting_stack_steps(monkeypatch)
+    ours = llm.generate(straddling, greedy(24, logprobs=3), use_tqdm=False)
+    assert counts["stack"] == 23 - 10, counts
+    per_op = LLM(str(model), enforce_eager=True, **kwargs).generate(
+        straddling, greedy(24, logprobs=3), use_tqdm=False)
+    for a, b in zip(ours, per_op):
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 @pytest.mark.slow

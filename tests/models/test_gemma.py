@@ -141,12 +141,25 @@ def test_gguf_config_equals_hf_config(models):
             assert getattr(ours, name) == getattr(theirs, name), (family, name)
 
 
-def test_decode_stack_does_not_take_gemma_layers(models):
-    """The one-call CPU decode stack runs Llama's layers only."""
+@pytest.mark.parametrize("family", [*FAMILIES, SCALAR.name])
+def test_gemma_layers_take_the_one_call_decode_stack_with_the_per_op_results(models, family,
+                                                                             monkeypatch):
+    """The decode stack runs Gemma's layers (four (1 + w) norms, GeGLU, the attention scale,
+    soft-capped scores, sliding layers whose windows the prompts outgrow, each layer's rope
+    base): every decode step takes it, with the per-op forward's tokens and logprobs bit for
+    bit."""
+    from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
+    built, prompts, _ = models(family)
+    window = load_model_source(built.path("hf")).config.sliding_window
+    assert max(len(p) for p in prompts) > window
+    assert_stack_equals_per_op(str(built.hf_dir), prompts, monkeypatch)
+
+
+def test_gemma_decoders_take_the_decode_stack(models):
     built, _, _ = models("gemma3")
     model = Gemma3ForCausalLM(load_model_source(built.path("hf")).config)
-    assert CpuDecodeStack.for_model(model, torch.bfloat16) is None
-    assert _StackArgs.gather(model.model) is None
+    assert CpuDecodeStack.for_model(model, torch.bfloat16) is not None
+    assert _StackArgs.gather(model.model) is None  # not bound to cpu_paged and a KV cache yet
 
 
 def test_model_size_estimate_counts_both_rope_tables(models):

@@ -320,8 +320,8 @@ def test_bf16_close_to_hf_bf16(models, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
-    """bf16 with the C++ kernels (the experts' weight-streaming linears; the one-call decode
-    stack declines MoE layers) gives the tokens the op-by-op forward (enforce_eager) gives."""
+    """bf16 with the C++ kernels (the experts' weight-streaming linears, the one-call decode
+    stack) gives the tokens the op-by-op forward (enforce_eager) gives."""
     built, prompts, _ = models(family)
     outs = []
     for eager in (False, True):
@@ -329,6 +329,18 @@ def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
                   enforce_eager=eager)
         outs.append([o.token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_experts_take_the_one_call_decode_stack_with_the_per_op_results(models, family,
+                                                                        monkeypatch):
+    """The decode stack routes as FusedMoE does (torch's fp32 softmax and top-k, the weights
+    renormalised or not, rounded to bf16 or kept in fp32) and runs moe_experts and the
+    shared expert: every decode step takes it, with the per-op forward's tokens and
+    logprobs bit for bit."""
+    from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
+    built, prompts, _ = models(family)
+    assert_stack_equals_per_op(str(built.hf_dir), prompts, monkeypatch)
 
 
 @pytest.mark.slow

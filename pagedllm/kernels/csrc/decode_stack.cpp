@@ -1,12 +1,16 @@
 // A decode step's whole stack of decoder layers, in one call.
 //
-// It runs the kernels the model's Python forward runs (models/llama.py with the CPU ops:
-// rms_norm, the linears' methods (packed_linear_bf16, gguf_linear, small_linear_bf16,
-// amx_linear_bf16 or oneDNN's matmul on the prepacked weight) and their biases, the per-head
-// q/k norms, rotary_embedding, store_kv, paged_attention, silu_and_mul), in the same order
-// on the same tensors, so its results are the same bit for bit. What it saves is the Python
-// and torch dispatch around ~12-16 ops a layer: about 1 ms a step for SmolLM2's 30 layers at
-// one row (14.6 -> 13.75 ms).
+// It runs the kernels the model's Python forward runs (models/llama.py, gemma.py, phi3.py,
+// qwen3_moe.py, mixtral.py with the CPU ops: rms_norm (Llama's or Gemma's), the linears'
+// methods (packed_linear_bf16, gguf_linear, small_linear_bf16, amx_linear_bf16 or oneDNN's
+// matmul on the prepacked weight) and their biases, the per-head q/k norms,
+// rotary_embedding (on each head's rotary dims), store_kv, paged_attention with the layer's
+// window and soft-cap, silu_and_mul, torch's tanh GELU for Gemma's GeGLU, and for a mixture
+// of experts torch's softmax and top-k routing, then moe_experts), in the same order on the
+// same tensors, so its results are the same bit for bit. Each layer is a StackLayer (ops.h):
+// the family is in its data, not in this loop. What it saves is the Python and torch
+// dispatch around ~12-20 ops a layer: about 1 ms a step for SmolLM2's 30 layers at one row
+// (14.6 -> 13.75 ms).
 #include "ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -44,10 +48,108 @@ at::Tensor linear(const at::Tensor& x, const StackLinear& l, int64_t small_rows,
   return l.bias.has_value() ? y + *l.bias : y;
 }
 
-// Each head's vector [T, heads, D] normed over D (a copy; Qwen3's q/k norms, as
-// layers/layernorm.py RMSNorm takes a 3-D input).
-at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return rms_norm(x.reshape({-1, x.size(2)}), c10::nullopt, weight, eps)[0].view(x.sizes());
+// What every layer of one step shares.
+struct Step {
+  const at::Tensor &positions, &slot_mapping, &block_tables, &q_starts, &q_lens, &k_lens;
+  int64_t longest_context, num_heads, num_kv_heads;
+  double eps;
+  int64_t small_rows, amx_rows;
+  const c10::optional<at::Tensor>& prefix_blocks;
+  int64_t prefix_first;
+};
+
+// norm(x) or (norm(x + residual), x + residual) by the layer's kind of norm.
+std::vector<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                             const at::Tensor& weight, const StackLayer& l, const Step& s) {
+  return rms_norm(x, residual, weight, s.eps, l.unit_offset_norms);
+}
+
+// Each head's vector [T, heads, D] normed over D (a copy; the q/k norms of Qwen3 and
+// Gemma 3, as layers/layernorm.py takes a 3-D input).
+at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, const StackLayer& l,
+                     const Step& s) {
+  return norm(x.reshape({-1, x.size(2)}), c10::nullopt, weight, l, s)[0].view(x.sizes());
+}
+
+// x [T, heads, D] rotated in place on each head's first rotary_dim dims (0: all of them).
+void rotate(at::Tensor x, const StackLayer& l, const Step& s) {
+  const bool long_rope = l.long_cos.has_value() && s.longest_context > l.long_after;
+  const at::Tensor dims = 0 < l.rotary_dim && l.rotary_dim < x.size(2) ? x.narrow(2, 0, l.rotary_dim) : x;
+  rotary_embedding(s.positions, dims, long_rope ? *l.long_cos : l.cos,
+                   long_rope ? *l.long_sin : l.sin);
+}
+
+// The cascade's shared prefix of a cache, [S, Hkv, D].
+at::Tensor prefix_of(const at::Tensor& cache, const Step& s) {
+  const at::Tensor blocks = s.prefix_first >= 0
+                                ? cache.narrow(0, s.prefix_first, s.prefix_blocks->numel())
+                                : cache.index_select(0, *s.prefix_blocks);
+  return blocks.flatten(0, 1);
+}
+
+// The attention block's output o(attention(...)) for the normed rows h.
+at::Tensor attention_block(const at::Tensor& h, const StackLayer& l, const Step& s) {
+  const int64_t tokens = h.size(0), head_dim = l.k_cache.size(3);
+  const int64_t q_size = s.num_heads * head_dim, kv_size = s.num_kv_heads * head_dim;
+  const at::Tensor qkv = linear(h, l.qkv, s.small_rows, s.amx_rows);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
+  at::Tensor q, k;
+  if (l.q_norm.has_value()) {  // normed copies, each rotated in place
+    q = head_norm(qkv.narrow(1, 0, q_size).view({tokens, s.num_heads, head_dim}), *l.q_norm, l, s);
+    k = head_norm(qkv.narrow(1, q_size, kv_size).view({tokens, s.num_kv_heads, head_dim}),
+                  *l.k_norm, l, s);
+    rotate(q, l, s);
+    rotate(k, l, s);
+  } else {  // q and k heads are adjacent in qkv: rotated in place in one go
+    const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, s.num_heads + s.num_kv_heads, head_dim});
+    rotate(qk, l, s);
+    q = qk.narrow(1, 0, s.num_heads);
+    k = qk.narrow(1, s.num_heads, s.num_kv_heads);
+  }
+  store_kv(k, v, l.k_cache, l.v_cache, s.slot_mapping);
+  // a window every row's context fits in hides nothing: none is passed (cpu_paged.attention)
+  const int64_t window = l.window > 0 && s.longest_context > l.window ? l.window : 0;
+  at::Tensor out = at::empty({tokens, s.num_heads, head_dim}, h.options());
+  c10::optional<at::Tensor> prefix_out, prefix_lse;
+  if (s.prefix_blocks) {
+    TORCH_CHECK(window == 0 && l.softcap == 0.0,
+                "decode_layers: a cascade's layers take no window or soft-cap");
+    prefix_out = at::empty({tokens, s.num_heads, head_dim}, h.options());
+    prefix_lse = attention_over_keys(*prefix_out, q, prefix_of(l.k_cache, s),
+                                     prefix_of(l.v_cache, s), l.scale, false);
+  }
+  paged_attention(out, q, l.k_cache, l.v_cache, s.block_tables, s.q_starts, s.q_lens, s.k_lens,
+                  l.scale, prefix_out, prefix_lse, window, l.softcap);
+  return linear(out.view({tokens, q_size}), l.o, s.small_rows, s.amx_rows);
+}
+
+at::Tensor dense_mlp(const at::Tensor& h, const StackMLP& m, const Step& s) {
+  const StackLinear& gate_up = m.gate_up;
+  at::Tensor act;
+  if (m.activation == StackActivation::gelu_tanh) {
+    const std::vector<at::Tensor> halves = linear(h, gate_up, s.small_rows, s.amx_rows).chunk(2, -1);
+    act = at::gelu(halves[0], "tanh") * halves[1];
+  } else if (gate_up.parts.empty() && gate_up.packed.dim() == 4 && !gate_up.bias) {
+    act = packed_gate_up_silu_bf16(h, gate_up.packed);  // one pass, the same results
+  } else {
+    act = silu_and_mul(linear(h, gate_up, s.small_rows, s.amx_rows));
+  }
+  return linear(act, m.down, s.small_rows, s.amx_rows);
+}
+
+at::Tensor moe_block(const at::Tensor& h, const StackMoE& m, const Step& s) {
+  const at::Tensor logits = linear(h, m.router, s.small_rows, s.amx_rows);
+  auto [weights, ids] = at::topk(at::softmax(logits, -1, at::kFloat), m.top_k, -1);
+  if (m.renormalize) weights.div_(weights.sum(-1, true));
+  if (!m.weights_in_fp32) weights = weights.to(h.scalar_type());
+  at::Tensor out = moe_experts(h.contiguous(), ids, weights.to(at::kFloat), m.gate_up, m.down,
+                               s.small_rows);
+  if (m.shared.has_value()) {
+    TORCH_CHECK(m.shared_gate.has_value(), "decode_layers: a shared expert needs its gate");
+    const at::Tensor gate = at::sigmoid(linear(h, *m.shared_gate, s.small_rows, s.amx_rows));
+    out = out + gate * dense_mlp(h, *m.shared, s);
+  }
+  return out;
 }
 
 }  // namespace
@@ -66,62 +168,32 @@ at::Tensor gguf_parts_linear(const at::Tensor& x, const StackLinear& l) {
 
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const std::vector<StackLayer>& layers, const at::Tensor& final_norm,
-                         const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& q_starts, const at::Tensor& q_lens,
-                         const at::Tensor& k_lens, int64_t num_heads, int64_t num_kv_heads,
-                         double eps, double scale, int64_t small_rows, int64_t amx_rows,
+                         const at::Tensor& k_lens, int64_t longest_context, int64_t num_heads,
+                         int64_t num_kv_heads, double eps, int64_t small_rows, int64_t amx_rows,
                          const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first) {
   TORCH_CHECK(!layers.empty(), "decode_layers takes at least one layer");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [T, hidden]");
-  const int64_t tokens = x.size(0), head_dim = layers[0].k_cache.size(3);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  auto prefix_of = [&](const at::Tensor& cache) {  // cascade's shared prefix, [S, Hkv, D]
-    const at::Tensor blocks = prefix_first >= 0
-                                  ? cache.narrow(0, prefix_first, prefix_blocks->numel())
-                                  : cache.index_select(0, *prefix_blocks);
-    return blocks.flatten(0, 1);
-  };
+  const Step s{positions, slot_mapping, block_tables, q_starts, q_lens, k_lens,
+               longest_context, num_heads, num_kv_heads, eps, small_rows, amx_rows,
+               prefix_blocks, prefix_first};
   c10::optional<at::Tensor> residual;
-  for (const StackLayer& layer : layers) {
-    std::vector<at::Tensor> normed = rms_norm(x, residual, layer.input_norm, eps);
+  for (const StackLayer& l : layers) {
+    TORCH_CHECK(l.mlp.has_value() != l.moe.has_value(),
+                "decode_layers: a layer has a dense MLP or a mixture of experts");
+    std::vector<at::Tensor> normed = norm(x, residual, l.input_norm, l, s);
     residual = residual.has_value() ? normed[1] : x;
-    const at::Tensor qkv = linear(normed[0], layer.qkv, small_rows, amx_rows);
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    at::Tensor q, k;
-    if (layer.q_norm.has_value()) {  // normed copies, each rotated in place
-      q = head_norm(qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), *layer.q_norm, eps);
-      k = head_norm(qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}),
-                    *layer.k_norm, eps);
-      rotary_embedding(positions, q, cos, sin);
-      rotary_embedding(positions, k, cos, sin);
-    } else {  // q and k heads are adjacent in qkv: rotated in place in one go
-      const at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
-      rotary_embedding(positions, qk, cos, sin);
-      q = qk.narrow(1, 0, num_heads);
-      k = qk.narrow(1, num_heads, num_kv_heads);
-    }
-    store_kv(k, v, layer.k_cache, layer.v_cache, slot_mapping);
-    at::Tensor attn = at::empty({tokens, num_heads, head_dim}, x.options());
-    c10::optional<at::Tensor> prefix_out, prefix_lse;
-    if (prefix_blocks) {
-      prefix_out = at::empty({tokens, num_heads, head_dim}, x.options());
-      prefix_lse = attention_over_keys(*prefix_out, q, prefix_of(layer.k_cache),
-                                       prefix_of(layer.v_cache), scale, false);
-    }
-    paged_attention(attn, q, layer.k_cache, layer.v_cache, block_tables, q_starts, q_lens,
-                    k_lens, scale, prefix_out, prefix_lse);
-    std::vector<at::Tensor> post = rms_norm(linear(attn.view({tokens, q_size}), layer.o, small_rows, amx_rows),
-                                            residual, layer.post_norm, eps);
+    const at::Tensor attn = attention_block(normed[0], l, s);
+    std::vector<at::Tensor> post =
+        l.pre_mlp_norm.has_value()
+            ? norm(norm(attn, c10::nullopt, l.post_attn_norm, l, s)[0], residual, *l.pre_mlp_norm, l, s)
+            : norm(attn, residual, l.post_attn_norm, l, s);
     residual = post[1];
-    // gate/up and SiLU-and-mul in one pass where the weight is packed for it (same results)
-    const StackLinear& gate_up = layer.gate_up;
-    const at::Tensor act = gate_up.parts.empty() && gate_up.packed.dim() == 4 && !gate_up.bias
-                               ? packed_gate_up_silu_bf16(post[0], gate_up.packed)
-                               : silu_and_mul(linear(post[0], gate_up, small_rows, amx_rows));
-    x = linear(act, layer.down, small_rows, amx_rows);
+    x = l.mlp.has_value() ? dense_mlp(post[0], *l.mlp, s) : moe_block(post[0], *l.moe, s);
+    if (l.post_mlp_norm.has_value()) x = norm(x, c10::nullopt, *l.post_mlp_norm, l, s)[0];
   }
-  return rms_norm(x, residual, final_norm, eps)[0];
+  return rms_norm(x, residual, final_norm, eps, layers.front().unit_offset_norms)[0];
 }
 
 }  // namespace pagedllm

@@ -2,7 +2,8 @@
 // layer instead of a dozen small torch ops (each a dispatch, an allocation and a pass over
 // memory). Each one computes what the torch code it replaces computes, rounding to the
 // activation dtype at the same points (the file is built with -ffp-contract=off, so no
-// multiply-add is fused behind our back): RMSNorm with the residual add, SiLU(gate) * up,
+// multiply-add is fused behind our back): RMSNorm with the residual add (Llama's, or
+// Gemma's scaling by 1 + weight), SiLU(gate) * up,
 // the rotary embedding, and the greedy argmax of the sampler.
 #include "ops.h"
 #include "simd.h"
@@ -32,7 +33,7 @@ using pagedllm::store16;
 
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
-                   double eps, at::Tensor& out, at::Tensor* new_residual) {
+                   double eps, bool unit_offset, at::Tensor& out, at::Tensor* new_residual) {
   const int64_t rows = x.size(0), d = x.size(1);
   const T* xp = x.data_ptr<T>();
   const T* rp = residual ? residual->data_ptr<T>() : nullptr;
@@ -72,14 +73,22 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-      i = 0;  // weight * (x * rsqrt(mean(x^2) + eps)).to(T)
+      i = 0;
 #if defined(__AVX512F__)
-      const __m512 iv = _mm512_set1_ps(inv);
-      for (; i + 16 <= d; i += 16)
-        store16(o + i, _mm512_mul_ps(load16(wp + i),
-                                     round16<T>(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i), iv))));
+      const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+      if (unit_offset) {  // ((x * rsqrt(mean(x^2) + eps)) * (1 + weight)).to(T), all in fp32
+        for (; i + 16 <= d; i += 16)
+          store16(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i), iv),
+                                       _mm512_add_ps(one, load16(wp + i))));
+      } else {  // weight * (x * rsqrt(mean(x^2) + eps)).to(T)
+        for (; i + 16 <= d; i += 16)
+          store16(o + i, _mm512_mul_ps(load16(wp + i),
+                                       round16<T>(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i), iv))));
+      }
 #endif
-      for (; i < d; ++i) o[i] = static_cast<T>(f32(wp[i]) * rnd<T>(h[i] * inv));
+      for (; i < d; ++i)
+        o[i] = static_cast<T>(unit_offset ? h[i] * inv * (1.f + f32(wp[i]))
+                                          : f32(wp[i]) * rnd<T>(h[i] * inv));
     }
   });
 }
@@ -180,7 +189,7 @@ namespace pagedllm {
   }
 
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                 const at::Tensor& weight, double eps) {
+                                 const at::Tensor& weight, double eps, bool unit_offset) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, D] with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
@@ -194,7 +203,8 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Te
   at::Tensor new_residual = residual ? at::empty(x.sizes(), x.options()) : at::Tensor();
   PAGEDLLM_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",
                           rms_norm_rows<scalar>(x, residual ? &*residual : nullptr, weight, eps,
-                                                out, residual ? &new_residual : nullptr));
+                                                unit_offset, out,
+                                                residual ? &new_residual : nullptr));
   if (residual) return {out, new_residual};
   return {out};
 }

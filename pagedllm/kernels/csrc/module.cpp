@@ -62,8 +62,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tests: 'avx2' makes gguf_linear take its AVX2 path; '' the best built");
   m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
         "whether this build has the AVX512-BF16 packed linear");
-  m.def("rms_norm", &pagedllm::rms_norm, "[norm(x)] or [norm(x + residual), x + residual]",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm", &pagedllm::rms_norm,
+        "[norm(x)] or [norm(x + residual), x + residual]; unit_offset: Gemma's (1 + weight)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+        py::arg("unit_offset") = false);
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(x[:, :I]) * x[:, I:]");
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "rotate x [T, heads, D] in place by positions (half-rotation layout)");
@@ -74,14 +76,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, c10::optional<at::Tensor>>(),
            py::arg("weight"), py::arg("packed"), py::arg("parts"), py::arg("part_types"),
            py::arg("part_rows"), py::arg("bias"));
+  py::enum_<pagedllm::StackActivation>(m, "StackActivation",
+                                       "a dense MLP's gate activation in the decode stack")
+      .value("silu", pagedllm::StackActivation::silu)
+      .value("gelu_tanh", pagedllm::StackActivation::gelu_tanh);
+  // the stack's descriptions are built empty and filled field by field (kernels/ops.py)
+  py::class_<pagedllm::StackMLP>(m, "StackMLP", "a dense MLP of the decode stack (see ops.h)")
+      .def(py::init<>())
+      .def_readwrite("gate_up", &pagedllm::StackMLP::gate_up)
+      .def_readwrite("down", &pagedllm::StackMLP::down)
+      .def_readwrite("activation", &pagedllm::StackMLP::activation);
+  py::class_<pagedllm::StackMoE>(m, "StackMoE",
+                                 "a mixture-of-experts block of the decode stack (see ops.h)")
+      .def(py::init<>())
+      .def_readwrite("router", &pagedllm::StackMoE::router)
+      .def_readwrite("gate_up", &pagedllm::StackMoE::gate_up)
+      .def_readwrite("down", &pagedllm::StackMoE::down)
+      .def_readwrite("top_k", &pagedllm::StackMoE::top_k)
+      .def_readwrite("renormalize", &pagedllm::StackMoE::renormalize)
+      .def_readwrite("weights_in_fp32", &pagedllm::StackMoE::weights_in_fp32)
+      .def_readwrite("shared", &pagedllm::StackMoE::shared)
+      .def_readwrite("shared_gate", &pagedllm::StackMoE::shared_gate);
   py::class_<pagedllm::StackLayer>(m, "StackLayer",
                                    "a decoder layer of the decode stack (see ops.h)")
-      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                    pagedllm::StackLinear, pagedllm::StackLinear, pagedllm::StackLinear,
-                    pagedllm::StackLinear, at::Tensor, at::Tensor>(),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("k_cache"), py::arg("v_cache"));
+      .def(py::init<>())
+      .def_readwrite("input_norm", &pagedllm::StackLayer::input_norm)
+      .def_readwrite("post_attn_norm", &pagedllm::StackLayer::post_attn_norm)
+      .def_readwrite("pre_mlp_norm", &pagedllm::StackLayer::pre_mlp_norm)
+      .def_readwrite("post_mlp_norm", &pagedllm::StackLayer::post_mlp_norm)
+      .def_readwrite("q_norm", &pagedllm::StackLayer::q_norm)
+      .def_readwrite("k_norm", &pagedllm::StackLayer::k_norm)
+      .def_readwrite("unit_offset_norms", &pagedllm::StackLayer::unit_offset_norms)
+      .def_readwrite("qkv", &pagedllm::StackLayer::qkv)
+      .def_readwrite("o", &pagedllm::StackLayer::o)
+      .def_readwrite("scale", &pagedllm::StackLayer::scale)
+      .def_readwrite("softcap", &pagedllm::StackLayer::softcap)
+      .def_readwrite("window", &pagedllm::StackLayer::window)
+      .def_readwrite("rotary_dim", &pagedllm::StackLayer::rotary_dim)
+      .def_readwrite("long_after", &pagedllm::StackLayer::long_after)
+      .def_readwrite("cos", &pagedllm::StackLayer::cos)
+      .def_readwrite("sin", &pagedllm::StackLayer::sin)
+      .def_readwrite("long_cos", &pagedllm::StackLayer::long_cos)
+      .def_readwrite("long_sin", &pagedllm::StackLayer::long_sin)
+      .def_readwrite("mlp", &pagedllm::StackLayer::mlp)
+      .def_readwrite("moe", &pagedllm::StackLayer::moe)
+      .def_readwrite("k_cache", &pagedllm::StackLayer::k_cache)
+      .def_readwrite("v_cache", &pagedllm::StackLayer::v_cache);
   m.def("moe_experts", &pagedllm::moe_experts,
         "a mixture-of-experts block's routed experts in one call (same results as the "
         "per-expert forward)");

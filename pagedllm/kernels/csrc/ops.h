@@ -86,9 +86,11 @@ std::string gguf_linear_isa();
 void force_gguf_linear_isa(const std::string& isa);
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
-// rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual].
+// rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual]; unit_offset:
+// Gemma's norm, (x * rsqrt(mean(x^2) + eps)) * (1 + weight) in fp32 rounded once, where
+// Llama's rounds the normed x before scaling it by the weight.
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                 const at::Tensor& weight, double eps);
+                                 const at::Tensor& weight, double eps, bool unit_offset = false);
 at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_embedding(const at::Tensor& positions, at::Tensor x, const at::Tensor& cos,
                       const at::Tensor& sin);
@@ -110,30 +112,76 @@ struct StackLinear {
 // x w^T of a StackLinear's GGUF parts (decode_stack.cpp): one gguf_linear call, or one per
 // part into its columns of the output (as layers/quantized.py parts_linear).
 at::Tensor gguf_parts_linear(const at::Tensor& x, const StackLinear& l);
-// A Llama-structured decoder layer of the decode stack: norms, linears, the optional
-// per-head q/k norms (Qwen3), the KV caches.
+
+// What a dense MLP's gate goes through: SiLU (Llama's SiluAndMul: silu_and_mul, or fused
+// into a packed gate/up projection) or GELU's tanh approximation (Gemma's GeGLU: torch's
+// gelu then mul, as layers/activation.py GeluAndMul).
+enum class StackActivation { silu, gelu_tanh };
+
+// A dense gated MLP of the decode stack: down(act(gate) * up), gate_up holding [gate; up].
+struct StackMLP {
+  StackLinear gate_up, down;
+  StackActivation activation = StackActivation::silu;
+};
+
+// A mixture-of-experts block of the decode stack (models/qwen3_moe.py SparseMoeBlock over
+// layers/moe.py FusedMoE): the router's logits, their fp32 softmax, each token's top_k
+// experts (renormalised to sum to 1 with renormalize), the routing weights rounded to the
+// activations' dtype unless weights_in_fp32 (Mixtral), moe_experts over the experts'
+// projections; plus, where shared is set, a dense MLP every token passes through, scaled by
+// sigmoid(shared_gate(x)) (Qwen2-MoE).
+struct StackMoE {
+  StackLinear router;
+  std::vector<StackLinear> gate_up, down;
+  int64_t top_k = 1;
+  bool renormalize = false, weights_in_fp32 = false;
+  c10::optional<StackMLP> shared;
+  c10::optional<StackLinear> shared_gate;
+};
+
+// A decoder layer of the decode stack, as data: whatever the family, the layer is
+//   h, residual = input_norm(x, residual)
+//   a = o(attention(rotary(qkv(h)))), with q/k norms where set
+//   Llama:            h, residual = post_attn_norm(a, residual)
+//   Gemma (pre_mlp):  h, residual = pre_mlp_norm(post_attn_norm(a), residual)
+//   x = mlp(h) or moe(h), then post_mlp_norm(x) where set.
+// unit_offset_norms: every norm of the layer scales by 1 + weight (Gemma). The attention:
+// its scale, window (0: none; a step where every row's context fits in it takes none, as
+// attention/cpu_paged.py) and score soft-cap (0: none). Rotary: each head's first
+// rotary_dim dims (0: all) rotated by cos/sin [max_pos, rotary_dim] (fp32), or by long_cos/long_sin
+// where the step's rows are longer than long_after (LongRoPE; the caller makes sure they
+// all are or none is).
 struct StackLayer {
-  at::Tensor input_norm, post_norm;
-  c10::optional<at::Tensor> q_norm, k_norm;
-  StackLinear qkv, o, gate_up, down;
+  at::Tensor input_norm, post_attn_norm;
+  c10::optional<at::Tensor> pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
+  bool unit_offset_norms = false;
+  StackLinear qkv, o;
+  double scale = 1.0, softcap = 0.0;
+  int64_t window = 0;
+  int64_t rotary_dim = 0, long_after = 0;
+  at::Tensor cos, sin;
+  c10::optional<at::Tensor> long_cos, long_sin;
+  c10::optional<StackMLP> mlp;
+  c10::optional<StackMoE> moe;
   at::Tensor k_cache, v_cache;
 };
 
 // A decode step's decoder layers for bf16 rows (decode_stack.cpp): the embeddings x
-// [T, hidden] in, the final norm's output out; the same kernels as the model's per-op
-// forward on the same tensors, so the same results bit for bit. The attention metadata is
-// the paged_attention kernel's, for the step's rows. With prefix_blocks, a prefix every row
-// shares that the tables leave out: cascade attention, its part by attention_over_keys (as
-// attention/cpu_paged.py) on a view of each cache from block prefix_first when the blocks
-// are adjacent (prefix_first >= 0, as cpu_paged.SharedPrefix.cache_index found), else on a
-// copy of them.
+// [T, hidden] in, the final norm's output out (final_norm is of the layers' kind); the same
+// kernels as the model's per-op forward on the same tensors, so the same results bit for
+// bit. The attention metadata is the paged_attention kernel's, for the step's rows;
+// longest_context is the step's longest row in tokens (windows and LongRoPE choose by it).
+// With prefix_blocks, a prefix every row shares that the tables leave out: cascade
+// attention, its part by attention_over_keys (as attention/cpu_paged.py) on a view of each
+// cache from block prefix_first when the blocks are adjacent (prefix_first >= 0, as
+// cpu_paged.SharedPrefix.cache_index found), else on a copy of them; only for layers that
+// take no window or soft-cap in this step.
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          const std::vector<StackLayer>& layers, const at::Tensor& final_norm,
-                         const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& q_starts, const at::Tensor& q_lens,
-                         const at::Tensor& k_lens, int64_t num_heads, int64_t num_kv_heads,
-                         double eps, double scale, int64_t small_rows, int64_t amx_rows,
+                         const at::Tensor& k_lens, int64_t longest_context, int64_t num_heads,
+                         int64_t num_kv_heads, double eps, int64_t small_rows, int64_t amx_rows,
                          const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first);
 
 // A mixture-of-experts block's routed experts (moe.cpp): each token's top-k experts (ids
