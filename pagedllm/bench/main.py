@@ -85,6 +85,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=_int_range, default=None, help="output length N or MIN:MAX")
     g.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix workload")
     g.add_argument("--seed", type=int, default=0, help="seed of the workload's random token ids and lengths")
+    g.add_argument("--structured-output", choices=["none", "json"], default="none",
+                   help="json: every pagedllm request under a JSON schema that no output of "
+                        "the workload's length completes (the mask's cost per token)")
     g.add_argument("--latency-iters", type=int, default=3, help="timed runs of the latency request (median kept)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed warm-up requests of each engine")
@@ -246,7 +249,8 @@ class Bench:
         caching = getattr(self.args, "enable_prefix_caching", True)
         for on in ([caching, not caching] if self._has("prefix") else [caching]):
             self._run_peer(dtype, lambda: PagedLLMRunner(
-                self.args.model, dtype, self.args.threads, {**kwargs, "enable_prefix_caching": on}),
+                self.args.model, dtype, self.args.threads, {**kwargs, "enable_prefix_caching": on},
+                self.args.structured_output),
                 workloads=None if on == caching else self._only("prefix"),
                 prefix_label=f"prefix caching {'on' if on else 'off'}")
 

@@ -12,12 +12,22 @@ import torch
 
 from pagedllm.bench.results import LatencyRun, ThroughputRun
 from pagedllm.bench.workloads import BenchRequest, Workload
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
-def exact_params(r: BenchRequest) -> SamplingParams:
-    """Greedy, EOS ignored, exactly ``output_len`` tokens."""
-    return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+# --structured-output json: a JSON schema no output of a benchmark's length completes (an
+# array of at least 10000 digits), so that constrained requests still run exactly
+# output_len tokens and the mask's cost per token is what differs.
+BENCH_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 10000}
+
+
+def exact_params(r: BenchRequest, structured: str = "none") -> SamplingParams:
+    """Greedy, EOS ignored, exactly ``output_len`` tokens (under BENCH_SCHEMA with
+    structured "json")."""
+    constraint = StructuredOutputsParams(json=BENCH_SCHEMA) if structured == "json" else None
+    return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
+                          structured_outputs=constraint)
 
 
 def pagedllm_version() -> str:
@@ -42,9 +52,10 @@ class PagedLLMRunner:
     engine = "pagedllm"
 
     def __init__(self, model: str | None, dtype: str, threads: int,
-                 engine_kwargs: dict[str, Any]) -> None:
+                 engine_kwargs: dict[str, Any], structured: str = "none") -> None:
         from pagedllm.llm import LLM
         self.dtype, self.threads = dtype, threads
+        self.structured = structured
         self.engine_kwargs = {**engine_kwargs, "dtype": dtype, "num_threads": threads}
         t = time.perf_counter()
         self.llm = LLM(model, **self.engine_kwargs)
@@ -62,18 +73,18 @@ class PagedLLMRunner:
                 "block_size": cfg.block_size, "enable_prefix_caching": cfg.enable_prefix_caching,
                 "enforce_eager": cfg.enforce_eager, "quantization": cfg.quantization,
                 "num_kv_blocks": self.llm.engine.model_runner.num_kvcache_blocks,
-                "load_s": round(self.load_s, 2),
+                "load_s": round(self.load_s, 2), "structured_output": self.structured,
                 **({"label": "GGUF weights kept quantized",
                     "weight_bytes": decode_read_bytes(self.llm.engine.model_runner.model)}
                    if cfg.quantization == "gguf" else {})}
 
     def warmup(self, workload: Workload) -> None:
         self.llm.generate([r.prompt_token_ids for r in workload.requests],
-                          [exact_params(r) for r in workload.requests], use_tqdm=False)
+                          [exact_params(r, self.structured) for r in workload.requests], use_tqdm=False)
 
     def throughput(self, workload: Workload) -> ThroughputRun:
         prompts = [r.prompt_token_ids for r in workload.requests]
-        params = [exact_params(r) for r in workload.requests]
+        params = [exact_params(r, self.structured) for r in workload.requests]
         engine = self.llm.engine
         prompt_before, gen_before = engine.num_prompt_tokens, engine.num_generation_tokens
         t = time.perf_counter()
@@ -103,7 +114,7 @@ class PagedLLMRunner:
         request_id = f"bench-latency-{self._ids}"
         self._ids += 1
         start = time.perf_counter()
-        engine.add_request(request_id, r.prompt_token_ids, exact_params(r))
+        engine.add_request(request_id, r.prompt_token_ids, exact_params(r, self.structured))
         first = last = None
         while True:
             outputs = engine.step()
