@@ -316,3 +316,48 @@ def test_unsupported_tokenizer_model(tmp_path):
     _write_vocab_gguf(path, "bert", ["[PAD]", "[CLS]", "[SEP]"], [3, 3, 3])
     with pytest.raises(ModelLoadError, match="'bert' is not supported"):
         tokenizer_from_gguf(read_gguf(str(path)))
+
+
+# A template in Qwen3's manner: tools in the system turn, assistant tool calls with their
+# arguments as objects, tool responses, and enable_thinking from chat_template_kwargs.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- if m.tool_calls %}{%- for call in m.tool_calls %}\n<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "\n</tool_call>{%- endfor %}{%- endif %}"
+    "{%- if m.tool_call_id %} [{{ m.tool_call_id }}]{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- endif %}{%- endif %}")
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_server_conversation_with_tools_renders_as_hf(ours, hf, thinking):
+    """The server's messages (tool calls, tool results) and tools, with chat_template_kwargs,
+    render as transformers renders the same conversation."""
+    from pagedllm.entrypoints.openai.chat_utils import conversation
+    from pagedllm.entrypoints.openai.protocol import ChatMessage, Tool
+    tool = {"name": "get_weather", "description": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    messages = [ChatMessage(role="user", content="Weather in Oslo?"),
+                ChatMessage(role="assistant", content="", tool_calls=[
+                    {"id": "call_1", "function": {"name": "get_weather",
+                                                  "arguments": '{"city": "Oslo"}'}}]),
+                ChatMessage(role="tool", tool_call_id="call_1", content="cold")]
+    rendered, tools = conversation(messages, [Tool(type="function", function=tool)], TOOL_TEMPLATE)
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    template_owner = Tokenizer(ours.backend, chat_template=TOOL_TEMPLATE,
+                               special_tokens=ours.special_tokens)
+    text = template_owner.apply_chat_template(rendered, tools=tools, **kwargs)
+    reference = [{"role": "user", "content": "Weather in Oslo?"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"type": "function", "function": {"name": "get_weather",
+                                                       "arguments": {"city": "Oslo"}}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+    expected = hf.apply_chat_template(reference, tools=[{"type": "function", "function": tool}],
+                                      chat_template=TOOL_TEMPLATE, tokenize=False,
+                                      add_generation_prompt=True, **kwargs)
+    assert text == expected
+    assert ("<think>" in text) == (thinking is False)
