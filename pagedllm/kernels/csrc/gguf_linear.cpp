@@ -82,7 +82,9 @@ constexpr int64_t kPanelGroups = 4;  // groups per panel (the last panel may hav
 constexpr int64_t kUnitInputs = 32;  // inputs per unit: 4 runs of 4 pairs
 
 // One type's layout: a group's block is kHeader bytes of scales and kBlock / 32 units of
-// kUnit bytes; kSubs scale units per 32 inputs; kOffset whether c sum(x) is needed.
+// kUnit bytes; kSubs scale units per 32 inputs; kOffset whether c sum(x) is needed; kFold,
+// where not 0, that c is kFold s (the AVX-512 path then starts each unit's sum of the even
+// pairs at kFold sum(x): s (x . q' + kFold sum(x)), one multiply-add less).
 template <QType T>
 struct Format;
 template <>
@@ -90,40 +92,48 @@ struct Format<QType::Q4_0> {
   static constexpr int64_t kBlock = 32, kHeader = 32, kUnit = 256;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = -136.f;
 };
 template <>
 struct Format<QType::Q4_1> {
   static constexpr int64_t kBlock = 32, kHeader = 64, kUnit = 256;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = 0.f;
 };
 template <>
 struct Format<QType::Q8_0> {
   static constexpr int64_t kBlock = 32, kHeader = 32, kUnit = 512;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
+  static constexpr float kFold = 0.f;
 };
 template <>
 struct Format<QType::Q4_K> {
   static constexpr int64_t kBlock = 256, kHeader = 320, kUnit = 256;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = 0.f;
 };
 template <>
 struct Format<QType::Q5_K> {
   static constexpr int64_t kBlock = 256, kHeader = 320, kUnit = 320;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = 0.f;
 };
 template <>
 struct Format<QType::Q6_K> {
   static constexpr int64_t kBlock = 256, kHeader = 288, kUnit = 384;
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = -160.f;
 };
 
 template <QType T>
 constexpr int64_t kUnits = Format<T>::kBlock / kUnitInputs;
+template <QType T>  // whether the AVX-512 path adds c sum(x) to each unit's sum
+constexpr bool kAddOffset512 = Format<T>::kOffset && Format<T>::kFold == 0.f;
 template <QType T>
 constexpr int64_t kGroupBlock = Format<T>::kHeader + kUnits<T> * Format<T>::kUnit;
 
@@ -168,6 +178,7 @@ int64_t prefetch_distance(int64_t G) {
 
 constexpr int64_t kChunkRows = 256;  // rows per work item
 constexpr int64_t kFewRows = 3;      // up to this many, tiles of one row by a whole panel
+constexpr int kTileRows = 4;         // rows of a many-row tile (AVX-512)
 
 // y[:, :cols] = v (a tile's fp32 sums, 16 per group) as Out.
 template <typename Out>
@@ -245,95 +256,156 @@ inline void scales512(const uint8_t* header, int sub, __m512& s, __m512& c) {
   }
 }
 
-// One tile: out[0:MR][NG * 16] = x[0:MR] . w over groups g0 .. g0 + NG - 1 of a panel
-// of G groups starting at w; xs: each row's sum over each scale unit (row stride ldxs).
-// Each (row, group) keeps two sums in a scale unit, of the even and of the odd pairs: one
-// row has too few independent sums to hide the dot product's latency otherwise.
-template <QType T, int MR, int NG>
-void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
-             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
+// One row over a whole panel of NG groups at w: out[0:NG * 16] = x . w; xs: the row's sum
+// over each scale unit (times kFold where the type has one). Each group keeps two sums in a
+// scale unit, of the even and of the odd pairs: one row has too few independent sums to
+// hide the dot product's latency otherwise.
+template <QType T, int NG>
+void row_tile512(const at::BFloat16* x, const float* xs, const uint8_t* w, int64_t blocks,
+                 float* out) {
   using F = Format<T>;
   constexpr int kRuns = 4 / F::kSubs;  // runs per scale unit
-  const int64_t ahead = prefetch_distance<T>(G);
+  const int64_t ahead = prefetch_distance<T>(NG);
+  __m512 acc[NG];
+#pragma GCC unroll 16
+  for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * NG * kGroupBlock<T>;
+    for (int i = 0; i < kUnits<T>; ++i) {
+      const uint8_t* units = blk + NG * F::kHeader + i * NG * F::kUnit;
+      const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
+#pragma GCC unroll 2
+      for (int h = 0; h < F::kSubs; ++h) {
+        const int sub = i * F::kSubs + h;
+        const float x_sum = xs[b * kUnits<T> * F::kSubs + sub];
+        __m512 part[NG], part_odd[NG];  // x . q' over the even, odd pairs
+#pragma GCC unroll 16
+        for (int g = 0; g < NG; ++g) {
+          part[g] = F::kFold != 0.f ? _mm512_set1_ps(x_sum) : _mm512_setzero_ps();
+          part_odd[g] = _mm512_setzero_ps();
+        }
+#pragma GCC unroll 4
+        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+          prefetch_slice(blk + ahead, NG * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+            int32_t pair;  // x at pair 4u + s of the unit
+            std::memcpy(&pair, xu + 8 * u + 2 * s, sizeof(pair));
+            const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+            // one weight vector at a time: few registers live
+#pragma GCC unroll 16
+            for (int g = 0; g < NG; ++g) {
+              const __m512bh q = decode512<T>(units + g * F::kUnit, u, s);
+              if (s % 2) part_odd[g] = _mm512_dpbf16_ps(part_odd[g], q, xb);
+              else part[g] = _mm512_dpbf16_ps(part[g], q, xb);
+            }
+          }
+        }
+#pragma GCC unroll 16
+        for (int g = 0; g < NG; ++g) {
+          __m512 s, c;
+          scales512<T>(blk + g * F::kHeader, sub, s, c);
+          acc[g] = _mm512_fmadd_ps(_mm512_add_ps(part[g], part_odd[g]), s, acc[g]);
+          if constexpr (kAddOffset512<T>) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(x_sum), c, acc[g]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + g * kGroup, acc[g]);
+}
+
+// Each row's sum over each scale unit of `width` inputs, times `factor`.
+void unit_sums512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
+                  float factor, float* sums) {
+  const int64_t per_row = K / width;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < per_row; ++j) {
+      const at::BFloat16* p = x + m * ldx + j * width;
+      __m512 v = pagedllm::load16(p);
+      if (width == 32) v = _mm512_add_ps(v, pagedllm::load16(p + 16));
+      sums[m * per_row + j] = _mm512_reduce_add_ps(v) * factor;
+    }
+}
+
+// Many rows: the first tile of a work item (a chunk of rows, 2 groups) unpacks the groups'
+// weights as it goes and keeps them in a per-thread scratch, the item's other tiles read
+// them back: each weight vector and each scale unit's s and c are made once a chunk, not
+// once a tile. Per scale unit the scratch holds s for the 2 groups, c for the 2, then q'
+// pair after pair, the 2 groups side by side: all 64-byte vectors.
+template <QType T>
+constexpr int kUnitPairs = kUnitInputs / 2 / Format<T>::kSubs;  // pairs per scale unit
+template <QType T>
+constexpr int64_t kScratchVectors = 4 + 2 * kUnitPairs<T>;  // per scale unit
+
+// A tile of MR rows by groups g0, g0 + 1 (tile512's sums in its order) over the weight
+// unpacked from the panel at w into scratch (kUnpack) or read back from it.
+template <QType T, int MR, bool kUnpack>
+void rows_tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
+                  const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, __m512i* scratch,
+                  float* out) {
+  using F = Format<T>;
+  constexpr int NG = 2, P = kUnitPairs<T>, kRuns = 4 / F::kSubs;
   __m512 acc[MR][NG];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
     for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
+  __m512i* q = scratch;
+  int64_t su = 0;  // scale unit
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
-      for (int h = 0; h < F::kSubs; ++h) {
+      for (int h = 0; h < F::kSubs; ++h, ++su, q += kScratchVectors<T>) {
+        const at::BFloat16* xu = x + su * 2 * P;
         __m512 part[MR][NG], part_odd[MR][NG];  // x . q' over the even, odd pairs
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-          for (int g = 0; g < NG; ++g) part[m][g] = part_odd[m][g] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
-          if (MR == 1 && NG == G)
-            prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
-          if constexpr (MR > 1 && T == QType::Q6_K) {
-            // Q6_K's multi-row tiles: a run's vectors first, then each row over them (the
-            // same sums in the same order; one vector at a time ran 16% slower at 4 rows)
-            __m512bh q[NG][4];
-#pragma GCC unroll 16
-            for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 4
-              for (int s = 0; s < 4; ++s) q[g][s] = decode512<T>(units + g * F::kUnit, u, s);
-#pragma GCC unroll 16
-            for (int m = 0; m < MR; ++m) {
-#pragma GCC unroll 4
-              for (int s = 0; s < 4; ++s) {
-                int32_t pair;
-                std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
-                const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-#pragma GCC unroll 16
-                for (int g = 0; g < NG; ++g) {
-                  if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q[g][s], xb);
-                  else part[m][g] = _mm512_dpbf16_ps(part[m][g], q[g][s], xb);
-                }
-              }
-            }
-            continue;
+          for (int g = 0; g < NG; ++g) {
+            part[m][g] = F::kFold != 0.f ? _mm512_set1_ps(xs[m * ldxs + su]) : _mm512_setzero_ps();
+            part_odd[m][g] = _mm512_setzero_ps();
           }
-#pragma GCC unroll 4
-          for (int s = 0; s < 4; ++s) {
-            // one weight vector at a time, used by every row as it is made: few registers
-            __m512 xv[MR];  // x[m] at pair 4u + s of the unit
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 2
+          for (int g = 0; g < NG; ++g) {
+            __m512bh wv;
+            if constexpr (kUnpack) {
+              wv = decode512<T>(units + g * F::kUnit, h * kRuns + p / 4, p % 4);
+              _mm512_store_si512(q + 4 + 2 * p + g, reinterpret_cast<__m512i>(wv));
+            } else {
+              wv = reinterpret_cast<__m512bh>(_mm512_load_si512(q + 4 + 2 * p + g));
+            }
 #pragma GCC unroll 16
             for (int m = 0; m < MR; ++m) {
               int32_t pair;
-              std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
-              xv[m] = _mm512_castsi512_ps(_mm512_set1_epi32(pair));
-            }
-#pragma GCC unroll 16
-            for (int g = 0; g < NG; ++g) {
-              const __m512bh q = decode512<T>(units + g * F::kUnit, u, s);
-#pragma GCC unroll 16
-              for (int m = 0; m < MR; ++m) {
-                const __m512bh xb = reinterpret_cast<__m512bh>(xv[m]);
-                if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q, xb);
-                else part[m][g] = _mm512_dpbf16_ps(part[m][g], q, xb);
-              }
+              std::memcpy(&pair, xu + m * ldx + 2 * p, sizeof(pair));
+              const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+              if (p % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], wv, xb);
+              else part[m][g] = _mm512_dpbf16_ps(part[m][g], wv, xb);
             }
           }
         }
-        const int sub = i * F::kSubs + h;
-#pragma GCC unroll 16
+        float* scales = reinterpret_cast<float*>(q);  // s[2], c[2]
+#pragma GCC unroll 2
         for (int g = 0; g < NG; ++g) {
           __m512 s, c;
-          scales512<T>(blk + (g0 + g) * F::kHeader, sub, s, c);
+          if constexpr (kUnpack) {
+            scales512<T>(blk + (g0 + g) * F::kHeader, i * F::kSubs + h, s, c);
+            _mm512_store_ps(scales + g * kGroup, s);
+            if constexpr (kAddOffset512<T>) _mm512_store_ps(scales + (NG + g) * kGroup, c);
+          } else {
+            s = _mm512_load_ps(scales + g * kGroup);
+            if constexpr (kAddOffset512<T>) c = _mm512_load_ps(scales + (NG + g) * kGroup);
+          }
 #pragma GCC unroll 16
           for (int m = 0; m < MR; ++m) {
-            const __m512 sum = _mm512_add_ps(part[m][g], part_odd[m][g]);
-            acc[m][g] = _mm512_fmadd_ps(sum, s, acc[m][g]);
-            if constexpr (F::kOffset)
-              acc[m][g] = _mm512_fmadd_ps(
-                  _mm512_set1_ps(xs[m * ldxs + b * kUnits<T> * F::kSubs + sub]), c, acc[m][g]);
+            acc[m][g] = _mm512_fmadd_ps(_mm512_add_ps(part[m][g], part_odd[m][g]), s, acc[m][g]);
+            if constexpr (kAddOffset512<T>)
+              acc[m][g] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * ldxs + su]), c, acc[m][g]);
           }
         }
       }
@@ -341,21 +413,19 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + m * NG * kGroup + g * kGroup, acc[m][g]);
+#pragma GCC unroll 2
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + (m * NG + g) * kGroup, acc[m][g]);
 }
 
-// Each row's sum over each scale unit of `width` inputs.
-void unit_sums512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
-                  float* sums) {
-  const int64_t per_row = K / width;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < per_row; ++j) {
-      const at::BFloat16* p = x + m * ldx + j * width;
-      __m512 v = pagedllm::load16(p);
-      if (width == 32) v = _mm512_add_ps(v, pagedllm::load16(p + 16));
-      sums[m * per_row + j] = _mm512_reduce_add_ps(v);
-    }
+// rows_tile512 for `rows` (1 .. MR) rows.
+template <QType T, int MR, bool kUnpack>
+void rows512(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
+             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, __m512i* scratch, float* out) {
+  if constexpr (MR > 1) {
+    if (rows < MR)
+      return rows512<T, MR - 1, kUnpack>(rows, x, ldx, xs, ldxs, w, G, g0, blocks, scratch, out);
+  }
+  rows_tile512<T, MR, kUnpack>(x, ldx, xs, ldxs, w, G, g0, blocks, scratch, out);
 }
 #endif  // GGUF_AVX512
 
@@ -540,22 +610,53 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   }
 #endif
 #if defined(GGUF_AVX512)
-  if (isa == Isa::kAvx512) unit_sums512(xp, ldx, M, K, width, sums.data());
+  if (isa == Isa::kAvx512)
+    unit_sums512(xp, ldx, M, K, width, F::kFold != 0.f ? F::kFold : 1.f, sums.data());
 #endif
   const bool few = M <= kFewRows;
-  const int64_t items_per_chunk = few ? sh.panels : sh.groups / 2;
+  const bool whole = few;  // work items of whole panels, else of half panels
+  const int64_t items_per_chunk = whole ? sh.panels : sh.groups / 2;
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   at::parallel_for(0, chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float out[4 * 2 * kGroup];  // one tile's sums: 4 x 2 groups at most
+    alignas(64) float out[kTileRows * 4 * kGroup];  // one tile's sums
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = i / items_per_chunk * kChunkRows, item = i % items_per_chunk;
       const int64_t rows = std::min(kChunkRows, M - m0);
-      const int64_t panel = few ? item : item / 2;
-      const int64_t G = sh.groups_in(panel), g0 = few ? 0 : item % 2 * 2;
-      const int64_t NG = few ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
+      const int64_t panel = whole ? item : item / 2;
+      const int64_t G = sh.groups_in(panel), g0 = whole ? 0 : item % 2 * 2;
+      const int64_t NG = whole ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
       const int64_t cols = std::min(NG * kGroup, n - col0);
       const uint8_t* w = packed + panel * sh.panel_bytes;
       const float* xs = sums.data() + m0 * per_row;
+      auto store_rows = [&](int64_t m, int64_t r) {
+        for (int64_t j = 0; j < r; ++j)
+          store_row(y + (m0 + m + j) * ldy + col0, out + j * NG * kGroup, cols);
+      };
+#if defined(GGUF_AVX512)
+      if (isa == Isa::kAvx512) {
+        const at::BFloat16* xr = xp + m0 * ldx;
+        if (few) {
+          for (int64_t m = 0; m < rows; ++m) {
+            if (G == 4) row_tile512<T, 4>(xr + m * ldx, xs + m * per_row, w, sh.blocks, out);
+            else row_tile512<T, 2>(xr + m * ldx, xs + m * per_row, w, sh.blocks, out);
+            store_rows(m, 1);
+          }
+        } else {
+          static thread_local std::vector<__m512i> scratch;
+          scratch.resize(per_row * kScratchVectors<T>);
+          for (int64_t m = 0; m < rows; m += kTileRows) {
+            const int64_t r = std::min<int64_t>(kTileRows, rows - m);
+            auto tile = [&]<bool kUnpack>() {
+              rows512<T, kTileRows, kUnpack>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w,
+                                             G, g0, sh.blocks, scratch.data(), out);
+            };
+            if (m == 0) tile.template operator()<true>();
+            else tile.template operator()<false>();
+            store_rows(m, r);
+          }
+        }
+      }
+#endif
       // Rows in tiles of MR rows (tile), the rows left over one at a time (one_row): the
       // same sums in the same order, MR only sets how many rows share each weight load.
       auto each_tile = [&](int64_t MR, auto&& tile, auto&& one_row) {
@@ -563,26 +664,10 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
           const int64_t r = MR > 1 && rows - m >= MR ? MR : 1;
           if (r > 1) tile(m, out);
           else one_row(m, out);
-          for (int64_t j = 0; j < r; ++j)
-            store_row(y + (m0 + m + j) * ldy + col0, out + j * NG * kGroup, cols);
+          store_rows(m, r);
           m += r;
         }
       };
-#if defined(GGUF_AVX512)
-      if (isa == Isa::kAvx512) {
-        const at::BFloat16* xr = xp + m0 * ldx;
-        auto four = [&](int64_t m, float* o) {
-          tile512<T, 4, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-        };
-        auto one = [&](int64_t m, float* o) {
-          if (NG == 4)
-            tile512<T, 1, 4>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-          else
-            tile512<T, 1, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-        };
-        each_tile(few ? 1 : 4, four, one);
-      }
-#endif
 #if defined(GGUF_AVX2)
       if (isa == Isa::kAvx2) {
         const float* xr = xf.data() + m0 * K;
