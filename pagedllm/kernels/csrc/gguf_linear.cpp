@@ -338,12 +338,12 @@ constexpr int kUnitPairs = kUnitInputs / 2 / Format<T>::kSubs;  // pairs per sca
 template <QType T>
 constexpr int64_t kScratchVectors = 4 + 2 * kUnitPairs<T>;  // per scale unit
 
-// A tile of MR rows by groups g0, g0 + 1 (tile512's sums in its order) over the weight
-// unpacked from the panel at w into scratch (kUnpack) or read back from it.
-template <QType T, int MR, bool kUnpack>
-void rows_tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
-                  const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, __m512i* scratch,
-                  float* out) {
+// A tile of MR rows by groups g0, g0 + 1 (row_tile512's sums in its order) over the weight
+// unpacked from the panel at w into scratch (kUnpack; kKeep: and kept there) or read back
+// from it. xt: the rows' input pairs interleaved, pair p of row m at xt[p * MR + m].
+template <QType T, int MR, bool kUnpack, bool kKeep>
+void rows_tile512(const int32_t* xt, const float* xs, int64_t ldxs, const uint8_t* w, int64_t G,
+                  int64_t g0, int64_t blocks, __m512i* scratch, float* out) {
   using F = Format<T>;
   constexpr int NG = 2, P = kUnitPairs<T>, kRuns = 4 / F::kSubs;
   __m512 acc[MR][NG];
@@ -359,7 +359,7 @@ void rows_tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t l
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h, ++su, q += kScratchVectors<T>) {
-        const at::BFloat16* xu = x + su * 2 * P;
+        const int32_t* xu = xt + su * P * MR;
         __m512 part[MR][NG], part_odd[MR][NG];  // x . q' over the even, odd pairs
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
@@ -375,15 +375,13 @@ void rows_tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t l
             __m512bh wv;
             if constexpr (kUnpack) {
               wv = decode512<T>(units + g * F::kUnit, h * kRuns + p / 4, p % 4);
-              _mm512_store_si512(q + 4 + 2 * p + g, reinterpret_cast<__m512i>(wv));
+              if constexpr (kKeep) _mm512_store_si512(q + 4 + 2 * p + g, reinterpret_cast<__m512i>(wv));
             } else {
               wv = reinterpret_cast<__m512bh>(_mm512_load_si512(q + 4 + 2 * p + g));
             }
 #pragma GCC unroll 16
             for (int m = 0; m < MR; ++m) {
-              int32_t pair;
-              std::memcpy(&pair, xu + m * ldx + 2 * p, sizeof(pair));
-              const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+              const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xu[p * MR + m]));
               if (p % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], wv, xb);
               else part[m][g] = _mm512_dpbf16_ps(part[m][g], wv, xb);
             }
@@ -395,8 +393,10 @@ void rows_tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t l
           __m512 s, c;
           if constexpr (kUnpack) {
             scales512<T>(blk + (g0 + g) * F::kHeader, i * F::kSubs + h, s, c);
-            _mm512_store_ps(scales + g * kGroup, s);
-            if constexpr (kAddOffset512<T>) _mm512_store_ps(scales + (NG + g) * kGroup, c);
+            if constexpr (kKeep) {
+              _mm512_store_ps(scales + g * kGroup, s);
+              if constexpr (kAddOffset512<T>) _mm512_store_ps(scales + (NG + g) * kGroup, c);
+            }
           } else {
             s = _mm512_load_ps(scales + g * kGroup);
             if constexpr (kAddOffset512<T>) c = _mm512_load_ps(scales + (NG + g) * kGroup);
@@ -418,14 +418,26 @@ void rows_tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t l
 }
 
 // rows_tile512 for `rows` (1 .. MR) rows.
-template <QType T, int MR, bool kUnpack>
-void rows512(int64_t rows, const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
-             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, __m512i* scratch, float* out) {
+template <QType T, int MR, bool kUnpack, bool kKeep>
+void rows512(int64_t rows, const int32_t* xt, const float* xs, int64_t ldxs, const uint8_t* w,
+             int64_t G, int64_t g0, int64_t blocks, __m512i* scratch, float* out) {
   if constexpr (MR > 1) {
     if (rows < MR)
-      return rows512<T, MR - 1, kUnpack>(rows, x, ldx, xs, ldxs, w, G, g0, blocks, scratch, out);
+      return rows512<T, MR - 1, kUnpack, kKeep>(rows, xt, xs, ldxs, w, G, g0, blocks, scratch, out);
   }
-  rows_tile512<T, MR, kUnpack>(x, ldx, xs, ldxs, w, G, g0, blocks, scratch, out);
+  rows_tile512<T, MR, kUnpack, kKeep>(xt, xs, ldxs, w, G, g0, blocks, scratch, out);
+}
+
+// x's input pairs for the many-row tiles: each tile of kTileRows rows (from row 0 on; the
+// last may have fewer) interleaved, its pair p of row j at xt[m * K / 2 + p * r + j] (m its
+// first row, r its rows).
+void interleave_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int32_t* xt) {
+  for (int64_t m = 0; m < M; m += kTileRows) {
+    const int64_t r = std::min<int64_t>(kTileRows, M - m);
+    for (int64_t j = 0; j < r; ++j)
+      for (int64_t p = 0; p < K / 2; ++p)
+        std::memcpy(xt + m * K / 2 + p * r + j, x + (m + j) * ldx + 2 * p, sizeof(int32_t));
+  }
 }
 #endif  // GGUF_AVX512
 
@@ -602,6 +614,7 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   const Shape sh = shape_of<T>(n, K);
   const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const bool few = M <= kFewRows;
   std::vector<float> sums(M * per_row), xf;
 #if defined(GGUF_AVX2)
   if (isa == Isa::kAvx2) {
@@ -610,10 +623,15 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   }
 #endif
 #if defined(GGUF_AVX512)
-  if (isa == Isa::kAvx512)
+  std::vector<int32_t> xt;
+  if (isa == Isa::kAvx512) {
     unit_sums512(xp, ldx, M, K, width, F::kFold != 0.f ? F::kFold : 1.f, sums.data());
+    if (!few) {
+      xt.resize(M * K / 2);
+      interleave_rows512(xp, ldx, M, K, xt.data());
+    }
+  }
 #endif
-  const bool few = M <= kFewRows;
   const bool whole = few;  // work items of whole panels, else of half panels
   const int64_t items_per_chunk = whole ? sh.panels : sh.groups / 2;
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
@@ -646,12 +664,14 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
           scratch.resize(per_row * kScratchVectors<T>);
           for (int64_t m = 0; m < rows; m += kTileRows) {
             const int64_t r = std::min<int64_t>(kTileRows, rows - m);
-            auto tile = [&]<bool kUnpack>() {
-              rows512<T, kTileRows, kUnpack>(r, xr + m * ldx, ldx, xs + m * per_row, per_row, w,
-                                             G, g0, sh.blocks, scratch.data(), out);
+            auto tile = [&]<bool kUnpack, bool kKeep>() {
+              rows512<T, kTileRows, kUnpack, kKeep>(r, xt.data() + (m0 + m) * K / 2,
+                                                    xs + m * per_row, per_row, w, G, g0,
+                                                    sh.blocks, scratch.data(), out);
             };
-            if (m == 0) tile.template operator()<true>();
-            else tile.template operator()<false>();
+            if (m > 0) tile.template operator()<false, false>();
+            else if (rows > kTileRows) tile.template operator()<true, true>();
+            else tile.template operator()<true, false>();
             store_rows(m, r);
           }
         }
