@@ -84,7 +84,9 @@ constexpr int64_t kUnitInputs = 32;  // inputs per unit: 4 runs of 4 pairs
 // One type's layout: a group's block is kHeader bytes of scales and kBlock / 32 units of
 // kUnit bytes; kSubs scale units per 32 inputs; kOffset whether c sum(x) is needed; kFold,
 // where not 0, that c is kFold s (the AVX-512 path then starts each unit's sum of the even
-// pairs at kFold sum(x): s (x . q' + kFold sum(x)), one multiply-add less).
+// pairs at kFold sum(x): s (x . q' + kFold sum(x)), one multiply-add less); kKeepRows, from
+// how many rows a chunk's many-row tiles unpack the weight once and keep it (AVX-512; fewer:
+// each tile unpacks it again, which is cheaper than storing it where unpacking is 2 ops).
 template <QType T>
 struct Format;
 template <>
@@ -93,6 +95,7 @@ struct Format<QType::Q4_0> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = -136.f;
+  static constexpr int64_t kKeepRows = 128;
 };
 template <>
 struct Format<QType::Q4_1> {
@@ -100,6 +103,7 @@ struct Format<QType::Q4_1> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 128;
 };
 template <>
 struct Format<QType::Q8_0> {
@@ -107,6 +111,7 @@ struct Format<QType::Q8_0> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
   static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 5;
 };
 template <>
 struct Format<QType::Q4_K> {
@@ -114,6 +119,7 @@ struct Format<QType::Q4_K> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 128;
 };
 template <>
 struct Format<QType::Q5_K> {
@@ -121,6 +127,7 @@ struct Format<QType::Q5_K> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 32;
 };
 template <>
 struct Format<QType::Q6_K> {
@@ -128,6 +135,7 @@ struct Format<QType::Q6_K> {
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = true;
   static constexpr float kFold = -160.f;
+  static constexpr int64_t kKeepRows = 16;
 };
 
 template <QType T>
@@ -661,7 +669,8 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
           }
         } else {
           static thread_local std::vector<__m512i> scratch;
-          scratch.resize(per_row * kScratchVectors<T>);
+          const bool keep = rows > kTileRows && rows >= F::kKeepRows;
+          if (keep) scratch.resize(per_row * kScratchVectors<T>);
           for (int64_t m = 0; m < rows; m += kTileRows) {
             const int64_t r = std::min<int64_t>(kTileRows, rows - m);
             auto tile = [&]<bool kUnpack, bool kKeep>() {
@@ -669,9 +678,9 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
                                                     xs + m * per_row, per_row, w, G, g0,
                                                     sh.blocks, scratch.data(), out);
             };
-            if (m > 0) tile.template operator()<false, false>();
-            else if (rows > kTileRows) tile.template operator()<true, true>();
-            else tile.template operator()<true, false>();
+            if (!keep) tile.template operator()<true, false>();
+            else if (m == 0) tile.template operator()<true, true>();
+            else tile.template operator()<false, false>();
             store_rows(m, r);
           }
         }
