@@ -34,20 +34,26 @@
 // headers of a block first and every unit 64-byte sized, each quant load is a whole line.
 //
 // Work: up to 3 rows, each thread takes whole panels and runs one row at a time over all 4
-// groups; beyond, half panels, in register tiles of 4 rows by 2 groups that share each
-// unpacked weight vector (rows left over: one at a time), 256-row chunks. A tile unpacks
-// one weight vector (16 outputs' pair 4u + s) at a time and each of its rows takes it at
-// once, so few registers are live (no spills at one row; Q6_K's multi-row tiles unpack a
-// run's 4 vectors first, which ran faster there). Each (row, group) sums a scale
-// unit's even and odd pairs in two chains, scales their sum by s and adds c sum(x) in fp32.
-// A one-row tile over a whole panel prefetches the block 4 KiB on (whole blocks) in even
-// slices of 4-9 lines, one per run of 8 pairs. Per 64-byte line of quants a one-row tile
-// runs 4 dot products and 4 unpackings of 2 ops (shift, ternary logic; Q5_K, Q6_K: of 4
-// ops, over units of 5 or 6 lines), Q8_0 2 dot products and 2 widenings of 5 ops; per
-// scale unit and group ~10 more for s and c (the compiler converts d and dmin once a
-// block). The AVX2 path keeps the layout: a 32-byte half of a word vector is 8 outputs'
-// pairs, widened to fp32 (the bf16 word shifted up, or masked) for FMAs, in tiles of 2 or
-// 1 rows by 2 groups; its one-row tiles prefetch as the AVX-512 ones.
+// groups; beyond, half panels (2 groups) in 256-row chunks, in register tiles of 4 rows by
+// the 2 groups (the last tile of a chunk may have fewer rows) that share each unpacked
+// weight vector. Each (row, group) sums a scale unit's even and odd pairs in two chains,
+// scales their sum by s and adds c sum(x) in fp32; where c = kFold s (Q4_0, Q6_K) the even
+// chain starts at kFold sum(x) instead, one multiply-add less. The multiply-adds share the
+// dot product's pipe, so per scale unit they are the kernel's cost over the bf16 kernel's:
+// 1/16 (Q8_0, Q4_0), 2/16 (Q4_1, Q4_K, Q5_K), 1/8 (Q6_K's 16-input units).
+// A one-row tile unpacks one weight vector (16 outputs' pair 4u + s) at a time (no spills),
+// and over a whole panel prefetches the block 4 KiB on (whole blocks) in even slices of 4-9
+// lines, one per run of 8 pairs. Per 64-byte line of quants it runs 4 dot products and 4
+// unpackings of 2 ops (shift, ternary logic; Q5_K, Q6_K: of 4 ops, over units of 5 or 6
+// lines), Q8_0 2 dot products and 2 widenings of 5 ops; per scale unit and group ~10 more
+// for s and c. A many-row tile reads its rows' input pairs interleaved (one pointer,
+// constant offsets). From a type's kKeepRows rows on, a chunk's first tile also stores
+// what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the chunk's other
+// tiles read it back; below, each tile unpacks again (storing cost more than unpacking
+// Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout: a 32-byte
+// half of a word vector is 8 outputs' pairs, widened to fp32 (the bf16 word shifted up, or
+// masked) for FMAs, in tiles of 2 or 1 rows by 2 groups; its one-row tiles prefetch as the
+// AVX-512 ones.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -336,11 +342,12 @@ void unit_sums512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int6
     }
 }
 
-// Many rows: the first tile of a work item (a chunk of rows, 2 groups) unpacks the groups'
-// weights as it goes and keeps them in a per-thread scratch, the item's other tiles read
-// them back: each weight vector and each scale unit's s and c are made once a chunk, not
-// once a tile. Per scale unit the scratch holds s for the 2 groups, c for the 2, then q'
-// pair after pair, the 2 groups side by side: all 64-byte vectors.
+// Many rows: from kKeepRows rows on, the first tile of a work item (a chunk of rows, 2
+// groups) unpacks the groups' weights as it goes and keeps them in a per-thread scratch,
+// the item's other tiles read them back: each weight vector and each scale unit's s and c
+// are made once a chunk, not once a tile. Per scale unit the scratch holds s for the 2
+// groups, c for the 2, then q' pair after pair, the 2 groups side by side: all 64-byte
+// vectors.
 template <QType T>
 constexpr int kUnitPairs = kUnitInputs / 2 / Format<T>::kSubs;  // pairs per scale unit
 template <QType T>
