@@ -270,63 +270,86 @@ inline void scales512(const uint8_t* header, int sub, __m512& s, __m512& c) {
   }
 }
 
-// One row over a whole panel of NG groups at w: out[0:NG * 16] = x . w; xs: the row's sum
-// over each scale unit (times kFold where the type has one). Each group keeps two sums in a
-// scale unit, of the even and of the odd pairs: one row has too few independent sums to
-// hide the dot product's latency otherwise.
-template <QType T, int NG>
-void row_tile512(const at::BFloat16* x, const float* xs, const uint8_t* w, int64_t blocks,
-                 float* out) {
+// One tile: out[0:MR][NG * 16] = x[0:MR] . w over groups g0 .. g0 + NG - 1 of a panel
+// of G groups starting at w; xs: each row's sum over each scale unit (times kFold where the
+// type has one; row stride ldxs). Taken for one row by a whole panel (MR = 1, NG = G): the
+// many-row tiles are rows_tile512.
+// Each (row, group) keeps two sums in a scale unit, of the even and of the odd pairs: one
+// row has too few independent sums to hide the dot product's latency otherwise.
+template <QType T, int MR, int NG>
+void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
+             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
   constexpr int kRuns = 4 / F::kSubs;  // runs per scale unit
-  const int64_t ahead = prefetch_distance<T>(NG);
-  __m512 acc[NG];
+  const int64_t ahead = prefetch_distance<T>(G);
+  __m512 acc[MR][NG];
 #pragma GCC unroll 16
-  for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = w + b * NG * kGroupBlock<T>;
+    const uint8_t* blk = w + b * G * kGroupBlock<T>;
     for (int i = 0; i < kUnits<T>; ++i) {
-      const uint8_t* units = blk + NG * F::kHeader + i * NG * F::kUnit;
+      const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
       const at::BFloat16* xu = x + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
-        const int sub = i * F::kSubs + h;
-        const float x_sum = xs[b * kUnits<T> * F::kSubs + sub];
-        __m512 part[NG], part_odd[NG];  // x . q' over the even, odd pairs
+        __m512 part[MR][NG], part_odd[MR][NG];  // x . q' over the even, odd pairs
 #pragma GCC unroll 16
-        for (int g = 0; g < NG; ++g) {
-          part[g] = F::kFold != 0.f ? _mm512_set1_ps(x_sum) : _mm512_setzero_ps();
-          part_odd[g] = _mm512_setzero_ps();
-        }
+        for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+          for (int g = 0; g < NG; ++g) {
+            const float x_sum = xs[m * ldxs + b * kUnits<T> * F::kSubs + i * F::kSubs + h];
+            part[m][g] = F::kFold != 0.f ? _mm512_set1_ps(x_sum) : _mm512_setzero_ps();
+            part_odd[m][g] = _mm512_setzero_ps();
+          }
 #pragma GCC unroll 4
         for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
-          prefetch_slice(blk + ahead, NG * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+          if (MR == 1 && NG == G)
+            prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
 #pragma GCC unroll 4
           for (int s = 0; s < 4; ++s) {
-            int32_t pair;  // x at pair 4u + s of the unit
-            std::memcpy(&pair, xu + 8 * u + 2 * s, sizeof(pair));
-            const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-            // one weight vector at a time: few registers live
+            // one weight vector at a time, used by every row as it is made: few registers
+            __m512 xv[MR];  // x[m] at pair 4u + s of the unit
+#pragma GCC unroll 16
+            for (int m = 0; m < MR; ++m) {
+              int32_t pair;
+              std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
+              xv[m] = _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+            }
 #pragma GCC unroll 16
             for (int g = 0; g < NG; ++g) {
               const __m512bh q = decode512<T>(units + g * F::kUnit, u, s);
-              if (s % 2) part_odd[g] = _mm512_dpbf16_ps(part_odd[g], q, xb);
-              else part[g] = _mm512_dpbf16_ps(part[g], q, xb);
+#pragma GCC unroll 16
+              for (int m = 0; m < MR; ++m) {
+                const __m512bh xb = reinterpret_cast<__m512bh>(xv[m]);
+                if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q, xb);
+                else part[m][g] = _mm512_dpbf16_ps(part[m][g], q, xb);
+              }
             }
           }
         }
+        const int sub = i * F::kSubs + h;
 #pragma GCC unroll 16
         for (int g = 0; g < NG; ++g) {
           __m512 s, c;
-          scales512<T>(blk + g * F::kHeader, sub, s, c);
-          acc[g] = _mm512_fmadd_ps(_mm512_add_ps(part[g], part_odd[g]), s, acc[g]);
-          if constexpr (kAddOffset512<T>) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(x_sum), c, acc[g]);
+          scales512<T>(blk + (g0 + g) * F::kHeader, sub, s, c);
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) {
+            const __m512 sum = _mm512_add_ps(part[m][g], part_odd[m][g]);
+            acc[m][g] = _mm512_fmadd_ps(sum, s, acc[m][g]);
+            if constexpr (kAddOffset512<T>)
+              acc[m][g] = _mm512_fmadd_ps(
+                  _mm512_set1_ps(xs[m * ldxs + b * kUnits<T> * F::kSubs + sub]), c, acc[m][g]);
+          }
         }
       }
     }
   }
 #pragma GCC unroll 16
-  for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + g * kGroup, acc[g]);
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + m * NG * kGroup + g * kGroup, acc[m][g]);
 }
 
 // Each row's sum over each scale unit of `width` inputs, times `factor`.
@@ -353,7 +376,7 @@ constexpr int kUnitPairs = kUnitInputs / 2 / Format<T>::kSubs;  // pairs per sca
 template <QType T>
 constexpr int64_t kScratchVectors = 4 + 2 * kUnitPairs<T>;  // per scale unit
 
-// A tile of MR rows by groups g0, g0 + 1 (row_tile512's sums in its order) over the weight
+// A tile of MR rows by groups g0, g0 + 1 (tile512's sums in its order) over the weight
 // unpacked from the panel at w into scratch (kUnpack; kKeep: and kept there) or read back
 // from it. xt: the rows' input pairs interleaved, pair p of row m at xt[p * MR + m].
 template <QType T, int MR, bool kUnpack, bool kKeep>
@@ -670,8 +693,10 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
         const at::BFloat16* xr = xp + m0 * ldx;
         if (few) {
           for (int64_t m = 0; m < rows; ++m) {
-            if (G == 4) row_tile512<T, 4>(xr + m * ldx, xs + m * per_row, w, sh.blocks, out);
-            else row_tile512<T, 2>(xr + m * ldx, xs + m * per_row, w, sh.blocks, out);
+            if (G == 4)
+              tile512<T, 1, 4>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, 0, sh.blocks, out);
+            else
+              tile512<T, 1, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, 0, sh.blocks, out);
             store_rows(m, 1);
           }
         } else {
