@@ -48,9 +48,9 @@
 // lines), Q8_0 2 dot products and 2 widenings of 5 ops; per scale unit and group ~10 more
 // for s and c. A many-row tile reads its rows' input pairs interleaved (one pointer,
 // constant offsets). From a type's kKeepRows rows on, a chunk's first tile also stores
-// what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the chunk's other
-// tiles read it back; below, each tile unpacks again (storing cost more than unpacking
-// Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout: a 32-byte
+// what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the
+// chunk's other tiles read it back; below, each tile unpacks again (storing cost more
+// than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout: a 32-byte
 // half of a word vector is 8 outputs' pairs, widened to fp32 (the bf16 word shifted up, or
 // masked) for FMAs, in tiles of 2 or 1 rows by 2 groups; its one-row tiles prefetch as the
 // AVX-512 ones.
