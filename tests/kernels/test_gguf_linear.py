@@ -107,7 +107,8 @@ def test_several_super_blocks_and_panels(isa, qtype):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_rows_result_does_not_depend_on_its_batch_or_threads(isa, qtype):
-    """Rows alone (one-row tiles), in batches of 2 to 300 (multi-row tiles, 256-row chunks)
+    """Rows alone (one-row tiles), in batches of 2 to 300 (multi-row tiles and the rows left
+    over, tiles that unpack the weight or read back the chunk's kept copy, 256-row chunks)
     and on one thread or two: the same bits."""
     n, k = 200, 2 * block_of(qtype)
     packed = pack_gguf(qtype, random_gguf(qtype, n, k), n, k)
@@ -116,7 +117,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads(isa, qtype):
     alone = torch.cat([ops.gguf_linear(x[i:i + 1], packed, int(qtype), n)
                        for i in range(0, 300, 7)])
     assert torch.equal(alone, whole[::7])
-    for size in (2, 7, 64):
+    for size in (2, 5, 7, 16, 31, 32, 64, 127, 128, 131):
         assert torch.equal(ops.gguf_linear(x[:size], packed, int(qtype), n), whole[:size])
     threads = torch.get_num_threads()
     try:

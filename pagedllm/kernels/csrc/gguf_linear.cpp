@@ -34,20 +34,26 @@
 // headers of a block first and every unit 64-byte sized, each quant load is a whole line.
 //
 // Work: up to 3 rows, each thread takes whole panels and runs one row at a time over all 4
-// groups; beyond, half panels, in register tiles of 4 rows by 2 groups that share each
-// unpacked weight vector (rows left over: one at a time), 256-row chunks. A tile unpacks
-// one weight vector (16 outputs' pair 4u + s) at a time and each of its rows takes it at
-// once, so few registers are live (no spills at one row; Q6_K's multi-row tiles unpack a
-// run's 4 vectors first, which ran faster there). Each (row, group) sums a scale
-// unit's even and odd pairs in two chains, scales their sum by s and adds c sum(x) in fp32.
-// A one-row tile over a whole panel prefetches the block 4 KiB on (whole blocks) in even
-// slices of 4-9 lines, one per run of 8 pairs. Per 64-byte line of quants a one-row tile
-// runs 4 dot products and 4 unpackings of 2 ops (shift, ternary logic; Q5_K, Q6_K: of 4
-// ops, over units of 5 or 6 lines), Q8_0 2 dot products and 2 widenings of 5 ops; per
-// scale unit and group ~10 more for s and c (the compiler converts d and dmin once a
-// block). The AVX2 path keeps the layout: a 32-byte half of a word vector is 8 outputs'
-// pairs, widened to fp32 (the bf16 word shifted up, or masked) for FMAs, in tiles of 2 or
-// 1 rows by 2 groups; its one-row tiles prefetch as the AVX-512 ones.
+// groups; beyond, half panels (2 groups) in 256-row chunks, in register tiles of 4 rows by
+// the 2 groups (the last tile of a chunk may have fewer rows) that share each unpacked
+// weight vector. Each (row, group) sums a scale unit's even and odd pairs in two chains,
+// scales their sum by s and adds c sum(x) in fp32; where c = kFold s (Q4_0, Q6_K) the even
+// chain starts at kFold sum(x) instead, one multiply-add less. The multiply-adds share the
+// dot product's pipe, so per scale unit they are the kernel's cost over the bf16 kernel's:
+// 1/16 (Q8_0, Q4_0), 2/16 (Q4_1, Q4_K, Q5_K), 1/8 (Q6_K's 16-input units).
+// A one-row tile unpacks one weight vector (16 outputs' pair 4u + s) at a time (no spills),
+// and over a whole panel prefetches the block 4 KiB on (whole blocks) in even slices of 4-9
+// lines, one per run of 8 pairs. Per 64-byte line of quants it runs 4 dot products and 4
+// unpackings of 2 ops (shift, ternary logic; Q5_K, Q6_K: of 4 ops, over units of 5 or 6
+// lines), Q8_0 2 dot products and 2 widenings of 5 ops; per scale unit and group ~10 more
+// for s and c. A many-row tile reads its rows' input pairs interleaved (one pointer,
+// constant offsets). From a type's kKeepRows rows on, a chunk's first tile also stores
+// what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the
+// chunk's other tiles read it back; below, each tile unpacks again (storing cost more
+// than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout: a 32-byte
+// half of a word vector is 8 outputs' pairs, widened to fp32 (the bf16 word shifted up, or
+// masked) for FMAs, in tiles of 2 or 1 rows by 2 groups; its one-row tiles prefetch as the
+// AVX-512 ones.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -82,7 +88,11 @@ constexpr int64_t kPanelGroups = 4;  // groups per panel (the last panel may hav
 constexpr int64_t kUnitInputs = 32;  // inputs per unit: 4 runs of 4 pairs
 
 // One type's layout: a group's block is kHeader bytes of scales and kBlock / 32 units of
-// kUnit bytes; kSubs scale units per 32 inputs; kOffset whether c sum(x) is needed.
+// kUnit bytes; kSubs scale units per 32 inputs; kOffset whether c sum(x) is needed; kFold,
+// where not 0, that c is kFold s (the AVX-512 path then starts each unit's sum of the even
+// pairs at kFold sum(x): s (x . q' + kFold sum(x)), one multiply-add less); kKeepRows, from
+// how many rows a chunk's many-row tiles unpack the weight once and keep it (AVX-512; fewer:
+// each tile unpacks it again, which is cheaper than storing it where unpacking is 2 ops).
 template <QType T>
 struct Format;
 template <>
@@ -90,40 +100,54 @@ struct Format<QType::Q4_0> {
   static constexpr int64_t kBlock = 32, kHeader = 32, kUnit = 256;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = -136.f;
+  static constexpr int64_t kKeepRows = 128;
 };
 template <>
 struct Format<QType::Q4_1> {
   static constexpr int64_t kBlock = 32, kHeader = 64, kUnit = 256;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 128;
 };
 template <>
 struct Format<QType::Q8_0> {
   static constexpr int64_t kBlock = 32, kHeader = 32, kUnit = 512;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
+  static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 5;
 };
 template <>
 struct Format<QType::Q4_K> {
   static constexpr int64_t kBlock = 256, kHeader = 320, kUnit = 256;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 128;
 };
 template <>
 struct Format<QType::Q5_K> {
   static constexpr int64_t kBlock = 256, kHeader = 320, kUnit = 320;
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = 0.f;
+  static constexpr int64_t kKeepRows = 32;
 };
 template <>
 struct Format<QType::Q6_K> {
   static constexpr int64_t kBlock = 256, kHeader = 288, kUnit = 384;
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = true;
+  static constexpr float kFold = -160.f;
+  static constexpr int64_t kKeepRows = 16;
 };
 
 template <QType T>
 constexpr int64_t kUnits = Format<T>::kBlock / kUnitInputs;
+template <QType T>  // whether the AVX-512 path adds c sum(x) to each unit's sum
+constexpr bool kAddOffset512 = Format<T>::kOffset && Format<T>::kFold == 0.f;
 template <QType T>
 constexpr int64_t kGroupBlock = Format<T>::kHeader + kUnits<T> * Format<T>::kUnit;
 
@@ -168,6 +192,7 @@ int64_t prefetch_distance(int64_t G) {
 
 constexpr int64_t kChunkRows = 256;  // rows per work item
 constexpr int64_t kFewRows = 3;      // up to this many, tiles of one row by a whole panel
+constexpr int kTileRows = 4;         // rows of a many-row tile (AVX-512)
 
 // y[:, :cols] = v (a tile's fp32 sums, 16 per group) as Out.
 template <typename Out>
@@ -246,7 +271,9 @@ inline void scales512(const uint8_t* header, int sub, __m512& s, __m512& c) {
 }
 
 // One tile: out[0:MR][NG * 16] = x[0:MR] . w over groups g0 .. g0 + NG - 1 of a panel
-// of G groups starting at w; xs: each row's sum over each scale unit (row stride ldxs).
+// of G groups starting at w; xs: each row's sum over each scale unit (times kFold where the
+// type has one; row stride ldxs). Taken for one row by a whole panel (MR = 1, NG = G): the
+// many-row tiles are rows_tile512.
 // Each (row, group) keeps two sums in a scale unit, of the even and of the odd pairs: one
 // row has too few independent sums to hide the dot product's latency otherwise.
 template <QType T, int MR, int NG>
@@ -271,35 +298,15 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-          for (int g = 0; g < NG; ++g) part[m][g] = part_odd[m][g] = _mm512_setzero_ps();
+          for (int g = 0; g < NG; ++g) {
+            const float x_sum = xs[m * ldxs + b * kUnits<T> * F::kSubs + i * F::kSubs + h];
+            part[m][g] = F::kFold != 0.f ? _mm512_set1_ps(x_sum) : _mm512_setzero_ps();
+            part_odd[m][g] = _mm512_setzero_ps();
+          }
 #pragma GCC unroll 4
         for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
           if (MR == 1 && NG == G)
             prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
-          if constexpr (MR > 1 && T == QType::Q6_K) {
-            // Q6_K's multi-row tiles: a run's vectors first, then each row over them (the
-            // same sums in the same order; one vector at a time ran 16% slower at 4 rows)
-            __m512bh q[NG][4];
-#pragma GCC unroll 16
-            for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 4
-              for (int s = 0; s < 4; ++s) q[g][s] = decode512<T>(units + g * F::kUnit, u, s);
-#pragma GCC unroll 16
-            for (int m = 0; m < MR; ++m) {
-#pragma GCC unroll 4
-              for (int s = 0; s < 4; ++s) {
-                int32_t pair;
-                std::memcpy(&pair, xu + m * ldx + 8 * u + 2 * s, sizeof(pair));
-                const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-#pragma GCC unroll 16
-                for (int g = 0; g < NG; ++g) {
-                  if (s % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], q[g][s], xb);
-                  else part[m][g] = _mm512_dpbf16_ps(part[m][g], q[g][s], xb);
-                }
-              }
-            }
-            continue;
-          }
 #pragma GCC unroll 4
           for (int s = 0; s < 4; ++s) {
             // one weight vector at a time, used by every row as it is made: few registers
@@ -331,7 +338,7 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
           for (int m = 0; m < MR; ++m) {
             const __m512 sum = _mm512_add_ps(part[m][g], part_odd[m][g]);
             acc[m][g] = _mm512_fmadd_ps(sum, s, acc[m][g]);
-            if constexpr (F::kOffset)
+            if constexpr (kAddOffset512<T>)
               acc[m][g] = _mm512_fmadd_ps(
                   _mm512_set1_ps(xs[m * ldxs + b * kUnits<T> * F::kSubs + sub]), c, acc[m][g]);
           }
@@ -345,17 +352,130 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + m * NG * kGroup + g * kGroup, acc[m][g]);
 }
 
-// Each row's sum over each scale unit of `width` inputs.
+// Each row's sum over each scale unit of `width` inputs, times `factor`.
 void unit_sums512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
-                  float* sums) {
+                  float factor, float* sums) {
   const int64_t per_row = K / width;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < per_row; ++j) {
       const at::BFloat16* p = x + m * ldx + j * width;
       __m512 v = pagedllm::load16(p);
       if (width == 32) v = _mm512_add_ps(v, pagedllm::load16(p + 16));
-      sums[m * per_row + j] = _mm512_reduce_add_ps(v);
+      sums[m * per_row + j] = _mm512_reduce_add_ps(v) * factor;
     }
+}
+
+// Many rows: from kKeepRows rows on, the first tile of a work item (a chunk of rows, 2
+// groups) unpacks the groups' weights as it goes and keeps them in a per-thread scratch,
+// the item's other tiles read them back: each weight vector and each scale unit's s and c
+// are made once a chunk, not once a tile. Per scale unit the scratch holds s for the 2
+// groups, c for the 2, then q' pair after pair, the 2 groups side by side: all 64-byte
+// vectors.
+template <QType T>
+constexpr int kUnitPairs = kUnitInputs / 2 / Format<T>::kSubs;  // pairs per scale unit
+template <QType T>
+constexpr int64_t kScratchVectors = 4 + 2 * kUnitPairs<T>;  // per scale unit
+
+// A tile of MR rows by groups g0, g0 + 1 (tile512's sums in its order) over the weight
+// unpacked from the panel at w into scratch (kUnpack; kKeep: and kept there) or read back
+// from it. xt: the rows' input pairs interleaved, pair p of row m at xt[p * MR + m].
+template <QType T, int MR, bool kUnpack, bool kKeep>
+void rows_tile512(const int32_t* xt, const float* xs, int64_t ldxs, const uint8_t* w, int64_t G,
+                  int64_t g0, int64_t blocks, __m512i* scratch, float* out) {
+  using F = Format<T>;
+  constexpr int NG = 2, P = kUnitPairs<T>, kRuns = 4 / F::kSubs;
+  __m512 acc[MR][NG];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
+  __m512i* q = scratch;
+  int64_t su = 0;  // scale unit
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * G * kGroupBlock<T>;
+    for (int i = 0; i < kUnits<T>; ++i) {
+      const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+#pragma GCC unroll 2
+      for (int h = 0; h < F::kSubs; ++h, ++su, q += kScratchVectors<T>) {
+        const int32_t* xu = xt + su * P * MR;
+        __m512 part[MR][NG], part_odd[MR][NG];  // x . q' over the even, odd pairs
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+          for (int g = 0; g < NG; ++g) {
+            part[m][g] = F::kFold != 0.f ? _mm512_set1_ps(xs[m * ldxs + su]) : _mm512_setzero_ps();
+            part_odd[m][g] = _mm512_setzero_ps();
+          }
+#pragma GCC unroll 16
+        for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 2
+          for (int g = 0; g < NG; ++g) {
+            __m512bh wv;
+            if constexpr (kUnpack) {
+              wv = decode512<T>(units + g * F::kUnit, h * kRuns + p / 4, p % 4);
+              if constexpr (kKeep) _mm512_store_si512(q + 4 + 2 * p + g, reinterpret_cast<__m512i>(wv));
+            } else {
+              wv = reinterpret_cast<__m512bh>(_mm512_load_si512(q + 4 + 2 * p + g));
+            }
+#pragma GCC unroll 16
+            for (int m = 0; m < MR; ++m) {
+              const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xu[p * MR + m]));
+              if (p % 2) part_odd[m][g] = _mm512_dpbf16_ps(part_odd[m][g], wv, xb);
+              else part[m][g] = _mm512_dpbf16_ps(part[m][g], wv, xb);
+            }
+          }
+        }
+        float* scales = reinterpret_cast<float*>(q);  // s[2], c[2]
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; ++g) {
+          __m512 s, c;
+          if constexpr (kUnpack) {
+            scales512<T>(blk + (g0 + g) * F::kHeader, i * F::kSubs + h, s, c);
+            if constexpr (kKeep) {
+              _mm512_store_ps(scales + g * kGroup, s);
+              if constexpr (kAddOffset512<T>) _mm512_store_ps(scales + (NG + g) * kGroup, c);
+            }
+          } else {
+            s = _mm512_load_ps(scales + g * kGroup);
+            if constexpr (kAddOffset512<T>) c = _mm512_load_ps(scales + (NG + g) * kGroup);
+          }
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) {
+            acc[m][g] = _mm512_fmadd_ps(_mm512_add_ps(part[m][g], part_odd[m][g]), s, acc[m][g]);
+            if constexpr (kAddOffset512<T>)
+              acc[m][g] = _mm512_fmadd_ps(_mm512_set1_ps(xs[m * ldxs + su]), c, acc[m][g]);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + (m * NG + g) * kGroup, acc[m][g]);
+}
+
+// rows_tile512 for `rows` (1 .. MR) rows.
+template <QType T, int MR, bool kUnpack, bool kKeep>
+void rows512(int64_t rows, const int32_t* xt, const float* xs, int64_t ldxs, const uint8_t* w,
+             int64_t G, int64_t g0, int64_t blocks, __m512i* scratch, float* out) {
+  if constexpr (MR > 1) {
+    if (rows < MR)
+      return rows512<T, MR - 1, kUnpack, kKeep>(rows, xt, xs, ldxs, w, G, g0, blocks, scratch, out);
+  }
+  rows_tile512<T, MR, kUnpack, kKeep>(xt, xs, ldxs, w, G, g0, blocks, scratch, out);
+}
+
+// x's input pairs for the many-row tiles: each tile of kTileRows rows (from row 0 on; the
+// last may have fewer) interleaved, its pair p of row j at xt[m * K / 2 + p * r + j] (m its
+// first row, r its rows).
+void interleave_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int32_t* xt) {
+  for (int64_t m = 0; m < M; m += kTileRows) {
+    const int64_t r = std::min<int64_t>(kTileRows, M - m);
+    for (int64_t j = 0; j < r; ++j)
+      for (int64_t p = 0; p < K / 2; ++p)
+        std::memcpy(xt + m * K / 2 + p * r + j, x + (m + j) * ldx + 2 * p, sizeof(int32_t));
+  }
 }
 #endif  // GGUF_AVX512
 
@@ -532,6 +652,7 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   const Shape sh = shape_of<T>(n, K);
   const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const bool few = M <= kFewRows;
   std::vector<float> sums(M * per_row), xf;
 #if defined(GGUF_AVX2)
   if (isa == Isa::kAvx2) {
@@ -540,22 +661,63 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   }
 #endif
 #if defined(GGUF_AVX512)
-  if (isa == Isa::kAvx512) unit_sums512(xp, ldx, M, K, width, sums.data());
+  std::vector<int32_t> xt;
+  if (isa == Isa::kAvx512) {
+    unit_sums512(xp, ldx, M, K, width, F::kFold != 0.f ? F::kFold : 1.f, sums.data());
+    if (!few) {
+      xt.resize(M * K / 2);
+      interleave_rows512(xp, ldx, M, K, xt.data());
+    }
+  }
 #endif
-  const bool few = M <= kFewRows;
-  const int64_t items_per_chunk = few ? sh.panels : sh.groups / 2;
+  const bool whole = few;  // work items of whole panels, else of half panels
+  const int64_t items_per_chunk = whole ? sh.panels : sh.groups / 2;
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   at::parallel_for(0, chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float out[4 * 2 * kGroup];  // one tile's sums: 4 x 2 groups at most
+    alignas(64) float out[kTileRows * 4 * kGroup];  // one tile's sums
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = i / items_per_chunk * kChunkRows, item = i % items_per_chunk;
       const int64_t rows = std::min(kChunkRows, M - m0);
-      const int64_t panel = few ? item : item / 2;
-      const int64_t G = sh.groups_in(panel), g0 = few ? 0 : item % 2 * 2;
-      const int64_t NG = few ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
+      const int64_t panel = whole ? item : item / 2;
+      const int64_t G = sh.groups_in(panel), g0 = whole ? 0 : item % 2 * 2;
+      const int64_t NG = whole ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
       const int64_t cols = std::min(NG * kGroup, n - col0);
       const uint8_t* w = packed + panel * sh.panel_bytes;
       const float* xs = sums.data() + m0 * per_row;
+      auto store_rows = [&](int64_t m, int64_t r) {
+        for (int64_t j = 0; j < r; ++j)
+          store_row(y + (m0 + m + j) * ldy + col0, out + j * NG * kGroup, cols);
+      };
+#if defined(GGUF_AVX512)
+      if (isa == Isa::kAvx512) {
+        const at::BFloat16* xr = xp + m0 * ldx;
+        if (few) {
+          for (int64_t m = 0; m < rows; ++m) {
+            if (G == 4)
+              tile512<T, 1, 4>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, 0, sh.blocks, out);
+            else
+              tile512<T, 1, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, 0, sh.blocks, out);
+            store_rows(m, 1);
+          }
+        } else {
+          static thread_local std::vector<__m512i> scratch;
+          const bool keep = rows > kTileRows && rows >= F::kKeepRows;
+          if (keep) scratch.resize(per_row * kScratchVectors<T>);
+          for (int64_t m = 0; m < rows; m += kTileRows) {
+            const int64_t r = std::min<int64_t>(kTileRows, rows - m);
+            auto tile = [&]<bool kUnpack, bool kKeep>() {
+              rows512<T, kTileRows, kUnpack, kKeep>(r, xt.data() + (m0 + m) * K / 2,
+                                                    xs + m * per_row, per_row, w, G, g0,
+                                                    sh.blocks, scratch.data(), out);
+            };
+            if (!keep) tile.template operator()<true, false>();
+            else if (m == 0) tile.template operator()<true, true>();
+            else tile.template operator()<false, false>();
+            store_rows(m, r);
+          }
+        }
+      }
+#endif
       // Rows in tiles of MR rows (tile), the rows left over one at a time (one_row): the
       // same sums in the same order, MR only sets how many rows share each weight load.
       auto each_tile = [&](int64_t MR, auto&& tile, auto&& one_row) {
@@ -563,26 +725,10 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
           const int64_t r = MR > 1 && rows - m >= MR ? MR : 1;
           if (r > 1) tile(m, out);
           else one_row(m, out);
-          for (int64_t j = 0; j < r; ++j)
-            store_row(y + (m0 + m + j) * ldy + col0, out + j * NG * kGroup, cols);
+          store_rows(m, r);
           m += r;
         }
       };
-#if defined(GGUF_AVX512)
-      if (isa == Isa::kAvx512) {
-        const at::BFloat16* xr = xp + m0 * ldx;
-        auto four = [&](int64_t m, float* o) {
-          tile512<T, 4, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-        };
-        auto one = [&](int64_t m, float* o) {
-          if (NG == 4)
-            tile512<T, 1, 4>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-          else
-            tile512<T, 1, 2>(xr + m * ldx, ldx, xs + m * per_row, per_row, w, G, g0, sh.blocks, o);
-        };
-        each_tile(few ? 1 : 4, four, one);
-      }
-#endif
 #if defined(GGUF_AVX2)
       if (isa == Isa::kAvx2) {
         const float* xr = xf.data() + m0 * K;
