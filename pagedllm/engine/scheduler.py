@@ -34,11 +34,12 @@ class ScheduledBatch:
     """What the next forward pass computes.
 
     Row i computes num_new_tokens[i] tokens of seqs[i], from its num_computed_tokens on;
-    rows computing one token (decodes) come first. A row verifying draft tokens counts them
-    in num_new_tokens (num_spec_tokens[i] of them, after the sequence's last token). samplers lists (sequence, row) pairs:
+    rows computing one token (decodes) come first. samplers lists (sequence, row) pairs:
     the sequence appends a token sampled from the logits of the row's last token. A row
     whose chunk does not finish its prompt samples nothing; a prompt of a request with
-    n > 1 is sampled by all n sequences (its forks) from the same row.
+    n > 1 is sampled by all n sequences (its forks) from the same row. A decode row that
+    verifies draft tokens counts them in num_new_tokens (num_spec_tokens[i] of them, after
+    the sequence's last token); its sequence appends 1 to num_spec_tokens[i] + 1 tokens.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -68,7 +69,8 @@ class ScheduledBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(n for n, k in zip(self.num_new_tokens, self.num_spec_tokens) if n > 1 and not k)
+        return sum(n for n, k in zip(self.num_new_tokens, self.num_spec_tokens)
+                   if n > 1 and not k)
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
@@ -229,8 +231,9 @@ class Scheduler:
         for row, (seq, n) in enumerate(rows):
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            batch.num_spec_tokens.append(len(seq.spec_token_ids))
-            if seq.num_computed_tokens + n - len(seq.spec_token_ids) == len(seq):  # the last chunk: sample
+            k = len(seq.spec_token_ids)
+            batch.num_spec_tokens.append(k)
+            if seq.num_computed_tokens + n - k == len(seq):  # the last chunk: sample
                 batch.samplers.append((seq, row))
                 for child in self._fork_pending(seq, n):
                     batch.samplers.append((child, row))

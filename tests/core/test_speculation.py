@@ -28,7 +28,7 @@ def test_ngram_copies_what_followed_the_most_recent_earlier_match():
 
 
 def test_ngram_prefers_the_longest_match():
-    # [.., 4, 2] matches at 1 with n = 2 (followed by 6); n = 1 alone ([2]) would match at 5 (followed by 2)
+    # n = 2: [4, 2] occurs at 1, followed by 6; n = 1 alone: the latest [2] is at 6, then 4
     tokens = [0, 4, 2, 6, 9, 2, 2, 4, 2]
     assert propose_ngram(tokens, 1, 1, 2) == [6]
     assert propose_ngram(tokens, 1, 1, 1) == [4]   # the latest earlier [2] is at 6, then 4
@@ -148,14 +148,21 @@ def run_random_steps(seed: int, num_blocks: int, k: int, prompts: list[list[int]
     prefix of each row's drafts and emits a random next token; random aborts. Invariants
     are checked after every schedule and every postprocess."""
     rng = random.Random(seed)
-    s = Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=4, max_num_batched_tokens=12,
+    swap = rng.random() < 0.3
+    s = Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=6, max_num_batched_tokens=12,
                   max_model_len=48, eos_token_ids=[EOS], enable_prefix_caching=prefix_caching,
+                  preemption_mode="swap" if swap else "recompute", num_swap_blocks=8 if swap else 0,
                   proposer=NgramProposer(k, 1, 2))
-    # (each fits in the cache alone, as the engine's request validation ensures)
-    seqs = [Sequence(p, SamplingParams(max_tokens=rng.randint(1, min(24, num_blocks * BS - len(p))),
-                                       ignore_eos=True), BS) for p in prompts]
-    for seq in seqs:
+    seqs = []
+    for p in prompts:
+        # (each fits in the cache alone, as the engine's request validation ensures)
+        params = SamplingParams(max_tokens=rng.randint(1, min(24, num_blocks * BS - len(p))),
+                                ignore_eos=True)
+        seq = Sequence(p, params, BS)
+        if rng.random() < 0.3:  # n = 2: a fork sharing the prompt's blocks (copy on write)
+            seq.pending_forks = [Sequence(p, params, BS)]
         s.add(seq)
+        seqs += [seq, *seq.pending_forks]
     for _ in range(400):
         if s.is_finished():
             break
