@@ -1,7 +1,7 @@
 """Speculative decoding without a model: the n-gram proposer, the rejection sampler's
 acceptance rule (greedy and a distribution-preservation test), speculative_config
-validation, and the scheduler + block manager under random propose / accept / reject /
-preempt sequences."""
+validation, the scheduler + block manager under random propose / accept / reject /
+preempt sequences, and the /metrics counters."""
 from __future__ import annotations
 
 import random
@@ -15,6 +15,8 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.spec_decode.ngram import NgramProposer, propose_ngram
 from pagedllm.engine.spec_decode.rejection_sampler import verify_greedy, verify_sampled
+from pagedllm.engine.stats import EngineStats
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.sampling_params import SamplingParams
 
 # ---- n-gram proposer --------------------------------------------------------------------
@@ -221,3 +223,12 @@ def test_rejected_drafts_blocks_are_freed_and_accepted_blocks_cached():
     assert bm.blocks[seq.block_table[2]].hash == -1   # [8 9 4 .] is not full
     s.check_invariants()
     assert bm.num_free_blocks == 5
+
+
+def test_metrics_endpoint_reports_draft_and_accepted_tokens():
+    stats = EngineStats(num_running=0, num_waiting=0, num_blocks=8, num_used_blocks=0,
+                        num_free_blocks=8, num_cached_free_blocks=0, prefix_cache_hit_rate=0.0,
+                        num_preemptions=0, num_draft_tokens=12, num_accepted_tokens=7)
+    text = ServerMetrics().render(stats).decode()
+    assert "pagedllm_spec_decode_num_draft_tokens 12.0" in text
+    assert "pagedllm_spec_decode_num_accepted_tokens 7.0" in text
