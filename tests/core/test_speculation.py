@@ -232,3 +232,35 @@ def test_metrics_endpoint_reports_draft_and_accepted_tokens():
     text = ServerMetrics().render(stats).decode()
     assert "pagedllm_spec_decode_num_draft_tokens 12.0" in text
     assert "pagedllm_spec_decode_num_accepted_tokens 7.0" in text
+
+
+def one_verified_step(params: SamplingParams, stop: int, accept: int) -> tuple[Scheduler, Sequence]:
+    """Prompt [5 6 7 8 stop 5 6], first token 7, then drafts [8 stop 5 6 7] (as many as
+    max_tokens leaves) of which `accept` are accepted; the target's token is 4."""
+    s = Scheduler(num_blocks=8, block_size=BS, max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=64, eos_token_ids=[EOS], proposer=NgramProposer(5, 1, 3))
+    seq = Sequence([5, 6, 7, 8, stop, 5, 6], params, BS)
+    s.add(seq)
+    s.postprocess(s.schedule(), [7])
+    batch = s.schedule()
+    assert seq.spec_token_ids == [8, stop, 5, 6, 7][:len(seq.spec_token_ids)]
+    s.postprocess(batch, [4], [seq.spec_token_ids[:accept]])
+    return s, seq
+
+
+@pytest.mark.parametrize("params, stop, reason", [
+    (SamplingParams(max_tokens=20, stop_token_ids=[9]), 9, ("stop", 9)),
+    (SamplingParams(max_tokens=20), EOS, ("stop", None)),
+], ids=["stop-token", "eos"])
+def test_a_stop_inside_accepted_drafts_drops_the_rest(params, stop, reason):
+    s, seq = one_verified_step(params, stop, accept=4)
+    assert seq.completion_token_ids == [7, 8, stop]
+    assert (seq.finish_reason, seq.stop_reason) == reason
+    assert (s.num_draft_tokens, s.num_accepted_tokens) == (5, 4)
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_drafts_never_run_past_max_tokens():
+    s, seq = one_verified_step(SamplingParams(max_tokens=3), 9, accept=1)
+    assert s.num_draft_tokens == 1     # 1 token so far; 1 draft + the target's = 3
+    assert seq.completion_token_ids == [7, 8, 4] and seq.finish_reason == "length"
