@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,11 @@ class EngineConfig:
     num_threads: int | None = _opt(
         "torch intra-op threads per rank (default: the cores divided among the local ranks)",
         default=None)
+    speculative_config: dict | str | None = _opt(
+        'speculative decoding, vLLM\'s shape as JSON: {"method": "ngram", '
+        '"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4} proposes '
+        "up to k tokens copied from where the last 1..4 tokens occurred before in the prompt or "
+        "output, verified exactly in one forward pass (default: off)", default=None)
     check_invariants: bool | None = _opt(
         "verify KV block accounting before and after every step and stop the engine on a "
         f"violation; unset: on if ${CHECK_INVARIANTS_ENV}=1", default=None)
@@ -85,6 +91,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.check_invariants is None:
             self.check_invariants = env_flag(CHECK_INVARIANTS_ENV)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         self._validate()
 
     def _validate(self) -> None:
@@ -182,6 +189,43 @@ class EngineConfig:
                   if hasattr(args, f.name)}
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def parse_speculative_config(value: dict | str | None) -> dict | None:
+    """The validated speculative_config with its defaults filled in (None: off). A string
+    is JSON (the CLI's form)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    if unknown := sorted(set(value) - known):
+        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+    method = value.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)}, "
+                         f"got {method!r}")
+    config = {"method": method, "num_speculative_tokens": value.get("num_speculative_tokens"),
+              "prompt_lookup_min": value.get("prompt_lookup_min", 1),
+              "prompt_lookup_max": value.get("prompt_lookup_max")}
+    if config["prompt_lookup_max"] is None:
+        config["prompt_lookup_max"] = max(4, config["prompt_lookup_min"])
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        v = config[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"speculative_config: {key} must be a positive integer, got {v!r}")
+    if config["prompt_lookup_min"] > config["prompt_lookup_max"]:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({config['prompt_lookup_min']}) "
+                         f"exceeds prompt_lookup_max ({config['prompt_lookup_max']})")
+    return config
 
 
 def env_flag(name: str) -> bool:

@@ -176,15 +176,18 @@ class BlockManager:
     def can_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Give the sequence slots for its next num_new_tokens tokens (after its computed ones).
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       num_lookahead_tokens: int = 0) -> list[tuple[int, int]]:
+        """Give the sequence slots for its next num_new_tokens tokens (after its computed ones)
+        and num_lookahead_tokens more for draft tokens to verify (speculative decoding).
 
         A sequence without blocks first takes its cached prefix. If the first slot lies in a
         block shared with another sequence (a fork), that block is copied first; the
         returned (src, dst) block pairs are the KV copies to make before the forward pass.
         Blocks that this step fills completely are registered in the prefix cache: their KV
         is written in the coming step, before any other sequence of that step reads it
-        (store precedes attention in every layer).
+        (store precedes attention in every layer). Lookahead slots hold no accepted token
+        yet: they make no block full (commit_speculation registers what is accepted).
         """
         if not seq.block_table:
             self._allocate_cached_prefix(seq)
@@ -199,11 +202,22 @@ class BlockManager:
         i = start // bs
         if i < len(table) and self.blocks[table[i]].ref_count > 1:
             copies.append(self._copy_on_write(seq, i))
-        while len(table) * bs < end:
+        while len(table) * bs < end + num_lookahead_tokens:
             table.append(self._take_free_block().block_id)
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, start // bs, end // bs)
         return copies
+
+    def commit_speculation(self, seq: Sequence, start: int) -> None:
+        """After a verified row that computed from token start on and advanced
+        num_computed_tokens past its accepted drafts: free the blocks past the computed
+        tokens (they hold only rejected drafts' KV; the rejected slots of the last kept block
+        are overwritten later) and register the blocks the accepted drafts filled."""
+        table, bs = seq.block_table, self.block_size
+        while len(table) > cdiv(seq.num_computed_tokens, bs):
+            self._unref(table.pop())
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, start // bs, seq.num_computed_tokens // bs)
 
     def _free_out_of_window(self, seq: Sequence, start: int) -> None:
         """Drop the blocks wholly before the window of the token at position start (and so
@@ -347,6 +361,9 @@ class BlockManager:
             if not 0 <= seq.num_computed_tokens <= min(len(seq), len(seq.block_table) * self.block_size):
                 raise AssertionError(f"{seq}: {seq.num_computed_tokens} computed tokens but "
                                      f"{len(seq.block_table)} blocks")
+            if len(seq.block_table) > cdiv(len(seq) + len(seq.spec_token_ids), self.block_size):
+                raise AssertionError(f"{seq}: holds blocks past its tokens and draft tokens "
+                                     f"{seq.spec_token_ids} (rejected drafts' slots not freed)")
             prefix = -1
             for j, block_id in enumerate(seq.block_table):
                 if block_id == FREED_BLOCK:  # the chain goes on through the tokens' hashes

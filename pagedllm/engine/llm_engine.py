@@ -17,6 +17,7 @@ from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode.ngram import NgramProposer
 from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, StepStats
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
@@ -143,7 +144,8 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             num_swap_blocks=self.model_runner.num_swap_blocks,
             sliding_window=(source.config.sliding_window if source.config.all_layers_sliding
-                            else None))
+                            else None),
+            proposer=_proposer(config.speculative_config))
         self.grammars = GrammarCompiler(self.tokenizer, source.config.vocab_size,
                                         self.eos_token_ids[0] if self.eos_token_ids else None)
         self.requests: dict[str, _RequestState] = {}
@@ -329,15 +331,15 @@ class LLMEngine:
             self._check_invariants("after failing a batch")
             return outputs
         self.num_prompt_tokens += batch.num_prefill_tokens
-        self.num_generation_tokens += len(batch.samplers)
         if sampled.logprobs is not None:
             self._record_logprobs(batch.sampled_seqs, sampled.logprobs)
+        lengths = [len(seq) for seq in batch.sampled_seqs]
         try:
-            self.scheduler.postprocess(batch, sampled.token_ids)
+            self.scheduler.postprocess(batch, sampled.token_ids, sampled.accepted)
         except Exception as e:
             raise self._die(f"postprocessing failed: {type(e).__name__}: {e}") from e
         advanced: dict[str, _RequestState] = {}
-        for seq in batch.sampled_seqs:
+        for seq, length in zip(batch.sampled_seqs, lengths):
             if seq.request_id not in self.requests:  # its detokenizer failed just now
                 continue
             if seq.is_beam:
@@ -347,7 +349,8 @@ class LLMEngine:
                     if state.beam.done:
                         advanced[seq.request_id] = state
             else:
-                advanced[seq.request_id] = self._process_new_token(seq)
+                advanced[seq.request_id] = self._process_new_tokens(seq, length)
+                self.num_generation_tokens += len(seq) - length
         outputs = [self._output(state) for state in advanced.values()]
         self.kv_stats.step(self.scheduler, sample=self.config.check_invariants)
         self._check_invariants("after the step")
@@ -364,24 +367,30 @@ class LLMEngine:
             if token_logprobs is not None and sample.logprobs is not None:
                 sample.logprobs.append(token_logprobs)
 
-    def _process_new_token(self, seq: Sequence) -> _RequestState:
+    def _process_new_tokens(self, seq: Sequence, first: int) -> _RequestState:
+        """Detokenize the tokens this step appended (from index first on; several when
+        drafts were accepted), one at a time, as if each had been sampled alone: a stop
+        string completed by one of them ends the sequence there and drops the rest."""
         state = self.requests[seq.request_id]
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.time()
         sample = state.samples[seq.sample_index]
-        try:
-            if self.faults is not None:
-                self.faults.check("detokenizer", [seq])
-            sample.last_delta = sample.detokenizer.add(seq.last_token)
-        except Exception as e:  # this request alone ends; the rest of the batch goes on
-            logger.exception("detokenizing failed for request %s", seq.request_id)
-            self._fail([seq], f"detokenizer: {type(e).__name__}: {e}")
-            return state
-        sample.text += sample.last_delta
-        if seq.grammar is not None and not seq.is_finished:
-            self._advance_grammar(seq)
-        if not seq.is_finished:
-            self._check_stop_strings(sample)
+        for i in range(first, len(seq)):
+            try:
+                if self.faults is not None:
+                    self.faults.check("detokenizer", [seq])
+                sample.last_delta = sample.detokenizer.add(seq.token_ids[i])
+            except Exception as e:  # this request alone ends; the rest of the batch goes on
+                logger.exception("detokenizing failed for request %s", seq.request_id)
+                self._fail([seq], f"detokenizer: {type(e).__name__}: {e}")
+                return state
+            sample.text += sample.last_delta
+            last = i == len(seq) - 1
+            if last and seq.grammar is not None and not seq.is_finished:
+                self._advance_grammar(seq)  # (grammar rows append one token a step)
+            if (not last or not seq.is_finished) and self._check_stop_strings(sample):
+                del seq.token_ids[i + 1:]
+                break
         return state
 
     def _advance_grammar(self, seq: Sequence) -> None:
@@ -421,18 +430,25 @@ class LLMEngine:
             child.sample_index = i
         beam.beams = next_beams
 
-    def _check_stop_strings(self, state: _SampleState) -> None:
-        sp = state.seq.sampling_params
-        if not sp.stop_strs or state.seq.num_completion_tokens < sp.min_tokens:
-            return
+    def _check_stop_strings(self, state: _SampleState) -> bool:
+        """Whether the newest token's text completes a stop string: then the text ends
+        there and the sequence stops (a sequence the scheduler ended at a later token of
+        this step takes this stop instead)."""
+        seq, sp = state.seq, state.seq.sampling_params
+        if not sp.stop_strs or seq.num_completion_tokens < sp.min_tokens:
+            return False
         text = state.text
         for stop in sp.stop_strs:
             # Only the tail can hold a stop string that was not there before this token.
             pos = text.find(stop, max(0, len(text) - len(state.last_delta) - len(stop) + 1))
             if pos != -1:
                 state.text = text[:pos + len(stop) if sp.include_stop_str_in_output else pos]
-                self.scheduler.finish(state.seq, "stop", stop)
-                return
+                if seq.is_finished:
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(seq, "stop", stop)
+                return True
+        return False
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
         """End these sequences' requests with finish reason "error" and free their blocks."""
@@ -507,6 +523,8 @@ class LLMEngine:
             state.metrics.finished_time = time.time()
             state.metrics.num_preemptions = sum(s.seq.num_preemptions for s in state.samples)
             self.requests.pop(seq.request_id, None)
+        state.metrics.num_draft_tokens = sum(s.seq.num_draft_tokens for s in state.samples)
+        state.metrics.num_accepted_tokens = sum(s.seq.num_accepted_tokens for s in state.samples)
         if state.beam is not None:
             return self._beam_output(state)
         completions = [CompletionOutput(i, s.text, s.seq.completion_token_ids,
@@ -557,7 +575,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks=bm.num_blocks, num_used_blocks=bm.num_blocks - bm.num_free_blocks,
             num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
-            prefix_cache_hit_rate=bm.hit_rate, num_preemptions=self.scheduler.num_preemptions)
+            prefix_cache_hit_rate=bm.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_tokens=self.scheduler.num_accepted_tokens)
 
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """State of every physical block and every request's block table, for the web UI."""
@@ -591,6 +611,14 @@ def _embedding(seq: Sequence) -> list[float] | None:
     if pooling.normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
     return vector.tolist()
+
+
+def _proposer(speculative_config: dict | None) -> NgramProposer | None:
+    if speculative_config is None:
+        return None
+    return NgramProposer(speculative_config["num_speculative_tokens"],
+                         speculative_config["prompt_lookup_min"],
+                         speculative_config["prompt_lookup_max"])
 
 
 def _per_sample_params(sp: SamplingParams) -> list[SamplingParams]:

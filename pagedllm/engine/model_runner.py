@@ -30,17 +30,19 @@ from pagedllm.engine.kv_cache import (KVCacheShape, allocate_kv_cache, allocate_
                                       bind_kv_cache)
 from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.spec_decode.rejection_sampler import verify_greedy, verify_sampled
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, default_num_threads, sigint_deferred
 from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.quantized import GGUFWeight
-from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch, compute_logprobs,
-                                     sample)
+from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch,
+                                     apply_top_k_top_p_min_p, compute_logprobs, sample)
 from pagedllm.layers.structured_output import fill_token_masks
 from pagedllm.loader.model_loader import build_model, decode_read_bytes, linear_kernels
 from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -211,6 +213,8 @@ class ModelRunner:
         for seq, n in zip(seqs, num_new_tokens):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + n])
+            if seq.spec_token_ids:  # a verified row: the last token, then the drafts
+                input_ids.extend(seq.spec_token_ids)
             positions.extend(range(start, start + n))
             seqlens_q.append(n)
             seqlens_k.append(start + n)
@@ -324,12 +328,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: list[int]) -> SamplerOutput:
         """Compute the batch's tokens; sample one token id (and its logprobs, if asked) per
-        batch.samplers entry; record prompt logprobs where asked. move_blocks(batch) must
-        have run first."""
+        batch.samplers entry; record prompt logprobs where asked; verify draft tokens (the
+        accepted ones come back in SamplerOutput.accepted). move_blocks(batch) must have run
+        first."""
         input_ids, positions = self.prepare_inputs(batch.seqs, batch.num_new_tokens)
         try:
             targets = _prompt_logprob_targets(batch)
-            logit_rows = _logit_rows(batch, targets)
+            verified = _verified_rows(batch)
+            logit_rows = _logit_rows(batch, targets, verified)
             pools = _pooling_rows(batch)
             hidden_rows = (torch.tensor([r for _, rows in pools for r in rows], dtype=torch.int64)
                            if pools else None)
@@ -345,11 +351,13 @@ class ModelRunner:
             return SamplerOutput([])
         if self.device.type != "cpu":  # the sampler and its generators live on the host
             logits = logits.cpu()
+        num_sampled = len(batch.samplers)
         if targets:
-            record_prompt_logprobs(logits[len(batch.samplers):], targets)
-            logits = logits[:len(batch.samplers)]
+            record_prompt_logprobs(logits[num_sampled:num_sampled + len(targets)], targets)
             if not batch.samplers:
                 return SamplerOutput([])
+        spec_logits = logits[num_sampled + len(targets):]
+        logits = logits[:num_sampled]
         self.beam_logprobs(batch, logits)
         sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids)
         if self.faults is not None:
@@ -357,7 +365,30 @@ class ModelRunner:
         token_ids = sample(logits, sampling, self.generator)
         logprobs = (compute_logprobs(logits, sampling, token_ids)
                     if sampling.num_logprobs is not None else None)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        output = SamplerOutput(token_ids.tolist(), logprobs)
+        if verified:
+            output.accepted = self.verify_drafts(batch, verified, spec_logits, output.token_ids)
+        return output
+
+    def verify_drafts(self, batch: ScheduledBatch, verified: list[tuple[int, list[int]]],
+                      logits: torch.Tensor, token_ids: list[int]) -> list[list[int]]:
+        """Per batch.samplers entry, the draft tokens the target accepts; for a verified
+        entry token_ids[i] becomes the token the target emits after them. logits hold each
+        verified row's 1 + k positions in turn. (Its last position was also sampled above, as
+        every row's is; the verifier draws its own tokens, from the same generator.)"""
+        accepted: list[list[int]] = [[] for _ in batch.samplers]
+        at = 0
+        for i, rows in verified:
+            seq = batch.samplers[i][0]
+            part, at = logits[at:at + len(rows)].float(), at + len(rows)
+            sp = seq.sampling_params
+            if sp.temperature == 0:
+                out = verify_greedy(part.argmax(-1).tolist(), seq.spec_token_ids)
+            else:
+                out = verify_sampled(_target_probs(part, sp, self.model_config.vocab_size),
+                                     seq.spec_token_ids, seq.generator or self.generator)
+            accepted[i], token_ids[i] = out[:-1], out[-1]
+        return accepted
 
     @staticmethod
     def beam_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> None:
@@ -542,14 +573,35 @@ def pool_hidden_states(hidden: torch.Tensor, pools: list[tuple[Sequence, list[in
                                  else seq.num_pooled_tokens + len(rows))
 
 
-def _logit_rows(batch: ScheduledBatch, targets: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+def _verified_rows(batch: ScheduledBatch) -> list[tuple[int, list[int]]]:
+    """(batch.samplers index, flat token rows) of each row verifying draft tokens: its last
+    token and its drafts, whose logits give the target's distributions for the drafts and
+    the token after them. Needs the Context."""
+    cu = get_context().cu_seqlens_q.tolist()
+    return [(i, list(range(cu[row + 1] - 1 - batch.num_spec_tokens[row], cu[row + 1])))
+            for i, (_, row) in enumerate(batch.samplers) if batch.num_spec_tokens[row]]
+
+
+def _target_probs(logits: torch.Tensor, sp: SamplingParams, vocab_size: int) -> torch.Tensor:
+    """The distribution sample() draws from for a row with these params (temperature, then
+    top-k / top-p / min-p), at each of logits' positions [P, V] -> fp32 [P, V]."""
+    n = logits.shape[0]
+    top_k = torch.full((n,), sp.top_k) if 0 < sp.top_k < vocab_size else None
+    top_p = torch.full((n,), sp.top_p) if sp.top_p < 1 else None
+    min_p = torch.full((n,), sp.min_p) if sp.min_p > 0 else None
+    return apply_top_k_top_p_min_p(logits / sp.temperature, top_k, top_p, min_p).softmax(-1)
+
+
+def _logit_rows(batch: ScheduledBatch, targets: list[tuple[Sequence, int, int]],
+                verified: list[tuple[int, list[int]]]) -> torch.Tensor:
     """Index of the token whose logits each batch.samplers entry samples from (a row's last
     token; a row sampled by several forks appears once per fork), then the prompt-logprob
-    targets' rows. Needs the Context."""
+    targets' rows, then the verified rows' positions. Needs the Context."""
     last = get_context().cu_seqlens_q[1:] - 1
     rows = last[torch.tensor([row for _, row in batch.samplers], dtype=torch.int64)]
-    if targets:
-        rows = torch.cat([rows, torch.tensor([r for _, r, _ in targets], dtype=torch.int64)])
+    extra = [r for _, r, _ in targets] + [r for _, positions in verified for r in positions]
+    if extra:
+        rows = torch.cat([rows, torch.tensor(extra, dtype=torch.int64)])
     return rows
 
 

@@ -7,6 +7,12 @@ prompt never stalls the running streams for more than one step's budget. Decodes
 chunks run in the same forward pass (a mixed batch). When blocks run out, the most recently
 admitted running sequence is preempted (recompute: its blocks are freed and it is
 prefilled again later).
+
+With speculative decoding a decode row may carry draft tokens (Sequence.spec_token_ids):
+it costs 1 + k tokens of the budget, gets KV slots for all of them, and runs as a chunk of
+1 + k query tokens; postprocess appends the accepted drafts and the target's next token,
+then frees the rejected drafts' blocks. Rows whose sampling needs per-token state the
+verifier does not replay decode one token at a time (_can_speculate).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.block_manager import FREED_BLOCK, BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode.ngram import NgramProposer
 from pagedllm.engine.swap import SwapPool
 from pagedllm.utils import cdiv
 
@@ -30,11 +37,14 @@ class ScheduledBatch:
     rows computing one token (decodes) come first. samplers lists (sequence, row) pairs:
     the sequence appends a token sampled from the logits of the row's last token. A row
     whose chunk does not finish its prompt samples nothing; a prompt of a request with
-    n > 1 is sampled by all n sequences (its forks) from the same row.
+    n > 1 is sampled by all n sequences (its forks) from the same row. A decode row that
+    verifies draft tokens counts them in num_new_tokens (num_spec_tokens[i] of them, after
+    the sequence's last token); its sequence appends 1 to num_spec_tokens[i] + 1 tokens.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_spec_tokens: list[int] = field(default_factory=list)
     samplers: list[tuple[Sequence, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Swap preemption: (device block, swap block) to copy out, (swap block, device block)
@@ -59,7 +69,8 @@ class ScheduledBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(n for n in self.num_new_tokens if n > 1)
+        return sum(n for n, k in zip(self.num_new_tokens, self.num_spec_tokens)
+                   if n > 1 and not k)
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
@@ -71,7 +82,8 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", num_swap_blocks: int = 0,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 proposer: NgramProposer | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -87,6 +99,9 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []   # moves decided during this schedule()
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.proposer = proposer
+        self.num_draft_tokens = 0      # speculative decoding, lifetime: drafts verified
+        self.num_accepted_tokens = 0   # and accepted
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.swapped
@@ -160,6 +175,9 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._propose(seq, budget) if n == 1 else []
+            if drafts and not bm.can_allocate_slots(seq, 1 + len(drafts)):
+                drafts = []  # drafts never preempt anyone
             while not bm.can_allocate_slots(seq, n):
                 # The most recently admitted sequence gives its blocks back.
                 victim = self.running[-1]
@@ -167,11 +185,23 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     return budget, preempted
-            copies.extend(bm.allocate_slots(seq, n))
-            rows.append((seq, n))
-            budget -= n
+            copies.extend(bm.allocate_slots(seq, n, len(drafts)))
+            seq.spec_token_ids = drafts
+            rows.append((seq, n + len(drafts)))
+            budget -= n + len(drafts)
             i += 1
         return budget, preempted
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decode row: as many as the proposer finds, the budget leaves,
+        and the request can still append after its next token (max_tokens, max_model_len)."""
+        if self.proposer is None or not _can_speculate(seq):
+            return []
+        room = min(budget, self.max_model_len - len(seq)) - 1
+        sp = seq.sampling_params
+        if sp.max_tokens is not None:
+            room = min(room, sp.max_tokens - seq.num_completion_tokens - 1)
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _schedule_waiting(self, budget: int, rows: list[tuple[Sequence, int]],
                           copies: list[tuple[int, int]]) -> None:
@@ -201,7 +231,9 @@ class Scheduler:
         for row, (seq, n) in enumerate(rows):
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            if seq.num_computed_tokens + n == len(seq):  # the last chunk: sample
+            k = len(seq.spec_token_ids)
+            batch.num_spec_tokens.append(k)
+            if seq.num_computed_tokens + n - k == len(seq):  # the last chunk: sample
                 batch.samplers.append((seq, row))
                 for child in self._fork_pending(seq, n):
                     batch.samplers.append((child, row))
@@ -224,6 +256,7 @@ class Scheduler:
         head of the queue unless to_front is False) and is recomputed."""
         if seq in self.running:
             self.running.remove(seq)
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # (a sequence whose window freed blocks is recomputed: the swap pool moves whole tables)
@@ -263,17 +296,42 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------------
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> None:
-        """Advance each row's computed tokens, append each sampled token, finish what stops."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        for (seq, _), token_id in zip(batch.samplers, token_ids):
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
+                    accepted: list[list[int]] | None = None) -> None:
+        """Advance each row's computed tokens, append each sampled token, finish what stops.
+
+        accepted[i] (speculative decoding) are the draft tokens of batch.samplers[i] that the
+        verifier accepted: they are appended before token_ids[i], each checked for a stop as
+        if it had been sampled alone; a stop drops the tokens after it.
+        """
+        for seq, n, k in zip(batch.seqs, batch.num_new_tokens, batch.num_spec_tokens):
+            seq.num_computed_tokens += n - k
+        for i, ((seq, _), token_id) in enumerate(zip(batch.samplers, token_ids)):
             if seq.is_beam:  # beams advance together, in the engine's beam step
                 continue
-            seq.append_token(token_id)
-            reason = self._stop_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, *reason)
+            drafts = accepted[i] if accepted is not None else []
+            num_proposed, start = len(seq.spec_token_ids), seq.num_computed_tokens - 1
+            for t in (*drafts, token_id):
+                seq.append_token(t)
+                reason = self._stop_reason(seq, t)
+                if reason is not None:
+                    self.finish(seq, *reason)
+                    break
+            if num_proposed:
+                self._commit_drafts(seq, start, num_proposed, len(drafts))
+
+    def _commit_drafts(self, seq: Sequence, start: int, num_proposed: int,
+                       num_accepted: int) -> None:
+        """Count a verified row's drafts; the KV of the accepted ones is computed, the blocks
+        holding only rejected ones are freed (a finished sequence freed all of its own)."""
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        seq.num_draft_tokens += num_proposed
+        seq.num_accepted_tokens += num_accepted
+        seq.spec_token_ids = []
+        if not seq.is_finished:
+            seq.num_computed_tokens += num_accepted
+            self.block_manager.commit_speculation(seq, start)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
         sp = seq.sampling_params
@@ -301,6 +359,7 @@ class Scheduler:
             self.swap_pool.release(seq.swap_table)
             seq.swap_table = []
         seq.status = SequenceStatus.FINISHED
+        seq.spec_token_ids = []
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.block_manager.deallocate(seq)
@@ -321,3 +380,15 @@ class Scheduler:
                 raise AssertionError(f"swapped {seq} holds device blocks or too few swap blocks")
         if sorted(swap_ids + self.swap_pool.free_block_ids) != list(range(self.swap_pool.num_blocks)):
             raise AssertionError("swap pool: used + free blocks are not every block exactly once")
+
+
+def _can_speculate(seq: Sequence) -> bool:
+    """Whether a decode row may verify drafts: its next tokens depend only on the logits
+    (temperature, top-k / top-p / min-p, a seed). Penalties, logit controls, min_tokens' ban,
+    grammars, logprobs, beams, prompt logprobs and pooling keep per-token state or output
+    the verifier does not replay; such rows decode one token a step, in the same batch."""
+    sp = seq.sampling_params
+    return (not sp.has_penalties and sp.logprobs is None and sp.prompt_logprobs is None
+            and sp.pooling is None and not sp.use_beam_search and seq.grammar is None
+            and not seq.bad_words_token_ids and not sp.allowed_token_ids and not sp.logit_bias
+            and seq.num_completion_tokens >= sp.min_tokens and not seq.pending_forks)

@@ -26,7 +26,7 @@ class Sequence:
     allocation and are not recomputed; num_computed_tokens is how many leading tokens have
     their KV in the cache (cached + computed by earlier steps or chunks). The tokens
     [num_computed_tokens, len) are what the next step computes: the rest of a prompt (in
-    chunks) or the one newest sampled token.
+    chunks) or the one newest sampled token, then any draft tokens (spec_token_ids) to verify.
     """
 
     _ids = count()
@@ -72,6 +72,12 @@ class Sequence:
         # the last token's for last) and how many prompt tokens they cover
         self.pooled: torch.Tensor | None = None
         self.num_pooled_tokens = 0
+        # Speculative decoding: draft tokens this step verifies after the last token (their
+        # KV slots are allocated; they are not tokens of the sequence until accepted), and
+        # how many drafts were proposed and accepted over its life.
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -65,10 +65,12 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
-    """What one step sampled: a token per row and, if any row asked, its logprobs."""
+    """What one step sampled: a token per row and, if any row asked, its logprobs; with
+    speculative decoding, per row the accepted draft tokens that come before its token."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    accepted: list[list[int]] | None = None
 
 
 def unpack_token_masks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -26,6 +26,10 @@ class ServerMetrics:
         self.hit_rate = Gauge(f"{p}_prefix_cache_hit_rate",
                               "share of looked-up prompt tokens found in the prefix cache", registry=r)
         self.preemptions = Gauge(f"{p}_num_preemptions", "preemptions since start", registry=r)
+        self.draft_tokens = Gauge(f"{p}_spec_decode_num_draft_tokens",
+                                  "speculative draft tokens verified since start", registry=r)
+        self.accepted_tokens = Gauge(f"{p}_spec_decode_num_accepted_tokens",
+                                     "speculative draft tokens accepted since start", registry=r)
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(f"{p}_generation_tokens", "generated tokens", registry=r)
         self.requests_finished = Counter(f"{p}_requests_finished", "finished requests",
@@ -75,4 +79,6 @@ class ServerMetrics:
         self.blocks_cached.set(stats.num_cached_free_blocks)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         self.preemptions.set(stats.num_preemptions)
+        self.draft_tokens.set(stats.num_draft_tokens)
+        self.accepted_tokens.set(stats.num_accepted_tokens)
         return generate_latest(self.registry)

@@ -1,0 +1,126 @@
+"""Speculative decoding (n-gram proposals) in the engine: greedy outputs equal plain
+decoding token for token (fp32, bundled model) under prefix caching, chunked prefill,
+preemption, mixed batches and n > 1; stops land where they would without speculation;
+seeded sampling is reproducible."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+BLOCK_BYTES = 16 * 2 * 30 * 3 * 64 * 4   # one 16-token block of SmolLM2's fp32 KV
+CODE = (
+    "def merge_sort(values):\n    if len(values) <= 1:\n        return values\n"
+    "    middle = len(values) // 2\n    left = merge_sort(values[:middle])\n"
+    "    right = merge_sort(values[middle:])\n    merged = []\n    i = j = 0\n"
+    "    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n"
+    "            merged.append(left[i])\n            i += 1\n        else:\n"
+    "            merged.append(right[j])\n            j += 1\n    return merged\n")
+PROMPTS = [
+    "Rewrite this function, renaming values to items:\n" + CODE + "\nRewritten:\n",
+    "Copy the list exactly: red, green, blue, red, green, blue, red, green, blue. Copy:",
+    "The quick brown fox jumps over the lazy dog while the farmer watches quietly from",
+    "Quantum tunnelling lets particles cross barriers that classical physics forbids, so",
+]
+NEW_TOKENS = 24
+
+
+@functools.cache
+def engine(speculative: bool, **kw) -> LLM:
+    """One LLM per configuration for the module (loading costs seconds)."""
+    options = dict(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512,
+                   check_invariants=True)
+    options.update(kw)
+    return LLM(speculative_config=NGRAM if speculative else None, **options)
+
+
+def greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def generate_both(params, prompts=PROMPTS, **kw):
+    plain = engine(False, **kw).generate(prompts, params, use_tqdm=False)
+    spec = engine(True, **kw).generate(prompts, params, use_tqdm=False)
+    return plain, spec
+
+
+def assert_same_completions(plain, spec) -> None:
+    for a, b in zip(plain, spec):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert y.token_ids == x.token_ids, b.prompt
+            assert (y.text, y.finish_reason, y.stop_reason) == (x.text, x.finish_reason,
+                                                                  x.stop_reason)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 40},          # chunked prompts, drafts cut to the budget
+    {"kv_cache_memory_bytes": 14 * BLOCK_BYTES, "max_num_batched_tokens": 64},  # preempts
+], ids=["default", "no-prefix-caching", "chunked", "preempting"])
+def test_greedy_speculation_equals_plain_decoding(kw):
+    plain, spec = generate_both(greedy(), **kw)
+    assert_same_completions(plain, spec)
+    drafted = sum(o.metrics.num_draft_tokens for o in spec)
+    accepted = sum(o.metrics.num_accepted_tokens for o in spec)
+    assert 0 < accepted <= drafted
+    assert spec[0].metrics.num_accepted_tokens > 0        # the rewrite prompt repeats its input
+    assert all(o.metrics.num_draft_tokens == 0 for o in plain)
+    llm = engine(True, **kw)
+    stats = llm.engine.stats()
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+    if "kv_cache_memory_bytes" in kw:
+        assert stats.num_preemptions > 0, "the KV budget must force preemption"
+    assert_all_blocks_free(llm)
+
+
+def test_mixed_batch_of_speculating_and_plain_rows_and_n_greater_than_one():
+    """Rows with a penalty or logprobs decode one token a step beside speculating rows; both
+    greedy samples of an n = 2 request speculate on their own."""
+    params = [greedy(), greedy(presence_penalty=0.5), greedy(logprobs=2), greedy(n=2)]
+    plain, spec = generate_both(params, [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]])
+    assert_same_completions(plain, spec)
+    # (the batch differs, so the fp32 sums round differently: equal tokens, close values)
+    for a, b in zip(plain[2].outputs[0].logprobs, spec[2].outputs[0].logprobs, strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert spec[0].metrics.num_accepted_tokens > 0 and spec[3].metrics.num_accepted_tokens > 0
+    assert spec[1].metrics.num_draft_tokens == 0 and spec[2].metrics.num_draft_tokens == 0
+    assert [len(c.token_ids) for c in spec[3].outputs] == [NEW_TOKENS] * 2
+
+
+def test_stops_inside_an_accepted_run_land_where_plain_decoding_puts_them():
+    prompt = PROMPTS[:1]
+    base = engine(False).generate(prompt, greedy(40), use_tqdm=False)[0].outputs[0]
+    tokens, text = base.token_ids, base.text
+    cases = [
+        greedy(40, stop_token_ids=[tokens[17]]),
+        greedy(40, stop=[text[len(text) // 2:len(text) // 2 + 5]]),
+        greedy(40, stop=[text[len(text) // 3:len(text) // 3 + 4]], include_stop_str_in_output=True),
+        greedy(13),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=20, stop_token_ids=[tokens[5]]),
+    ]
+    for params in cases:
+        plain, spec = generate_both(params, prompt)
+        assert_same_completions(plain, spec)
+        assert spec[0].outputs[0].finish_reason in ("stop", "length")
+        assert spec[0].metrics.num_accepted_tokens > 0   # drafts were verified before it stopped
+    assert_all_blocks_free(engine(True))
+
+
+def test_seeded_sampling_with_speculation_is_reproducible():
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=NEW_TOKENS,
+                            ignore_eos=True)
+    llm = engine(True)
+    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    second = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert sum(o.metrics.num_draft_tokens for o in first) > 0
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in first)
