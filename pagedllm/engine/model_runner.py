@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import concurrent.futures
 import logging
 import time
 from dataclasses import fields
@@ -68,6 +69,7 @@ class ModelRunner:
         where quantization="gguf"."""
         self.config = config
         self.model_config = model_config
+        self._masker: concurrent.futures.ThreadPoolExecutor | None = None  # grammar masks
         self.block_size = config.block_size
         self.dtype = config.torch_dtype
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -236,7 +238,15 @@ class ModelRunner:
             seqlens_k=seqlens_k)
         return torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(pos)
 
-    def prepare_sample(self, seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingBatch:
+    def _mask_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._masker is None:
+            self._masker = concurrent.futures.ThreadPoolExecutor(1, "pagedllm-grammar")
+        return self._masker
+
+    def prepare_sample(self, seqs: list[Sequence], eos_token_ids: list[int],
+                       grammar_masks: torch.Tensor | None = None) -> SamplingBatch:
+        """The step's sampling options; grammar_masks: the masks of the rows with a grammar,
+        in order, if computed already."""
         params = [seq.sampling_params for seq in seqs]
         vocab = self.model_config.vocab_size
         banned = []
@@ -271,8 +281,8 @@ class ModelRunner:
                 batch.bias.append((row, list(sp.logit_bias), list(sp.logit_bias.values())))
         batch.grammar_rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         if batch.grammar_rows:
-            batch.grammar_masks = fill_token_masks([seqs[row].grammar for row in batch.grammar_rows],
-                                                   vocab)
+            batch.grammar_masks = grammar_masks if grammar_masks is not None else fill_token_masks(
+                [seqs[row].grammar for row in batch.grammar_rows], vocab)
         return batch
 
     def prepare_penalties(self, seqs: list[Sequence]) -> Penalties:
@@ -332,6 +342,10 @@ class ModelRunner:
         accepted ones come back in SamplerOutput.accepted). move_blocks(batch) must have run
         first."""
         input_ids, positions = self.prepare_inputs(batch.seqs, batch.num_new_tokens)
+        # grammar masks are computed beside the forward pass (llguidance drops the GIL)
+        grammars = [seq.grammar for seq in batch.sampled_seqs if seq.grammar is not None]
+        masks = (self._mask_thread().submit(fill_token_masks, grammars, self.model_config.vocab_size)
+                 if grammars else None)
         try:
             targets = _prompt_logprob_targets(batch)
             verified = _verified_rows(batch)
@@ -359,7 +373,8 @@ class ModelRunner:
         spec_logits = logits[num_sampled + len(targets):]
         logits = logits[:num_sampled]
         self.beam_logprobs(batch, logits)
-        sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids)
+        sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids,
+                                       masks.result() if masks is not None else None)
         if self.faults is not None:
             self.faults.check("sampler", batch.sampled_seqs)
         token_ids = sample(logits, sampling, self.generator)

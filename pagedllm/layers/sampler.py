@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.kernels import ops, probes
@@ -74,9 +75,10 @@ class SamplerOutput:
 
 
 def unpack_token_masks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bool [R, vocab_size] of int32 bit masks [R, W] (bit t % 32 of word t // 32: token t)."""
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((masks[:, :, None] >> bits) & 1).view(masks.shape[0], -1)[:, :vocab_size].bool()
+    """Bool [R, vocab_size] of int32 bit masks [R, W] (bit t % 32 of word t // 32: token t;
+    little-endian words, so bit t of the bytes in order)."""
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size])).view(torch.bool)
 
 
 def apply_token_controls(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
@@ -91,7 +93,10 @@ def apply_token_controls(logits: torch.Tensor, batch: SamplingBatch, rows: list[
         if here:
             masks, at = zip(*here)
             allowed = unpack_token_masks(batch.grammar_masks[list(masks)], x.shape[-1])
-            x[list(at)] = x[list(at)].masked_fill(~allowed, float("-inf"))
+            if list(at) == list(range(x.shape[0])):  # every row (one row alone, say)
+                x = torch.where(allowed, x, float("-inf"))
+            else:
+                x[list(at)] = x[list(at)].masked_fill(~allowed, float("-inf"))
     for row, token_ids in batch.allowed:
         if row in position:
             i = position[row]
