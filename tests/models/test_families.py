@@ -78,8 +78,8 @@ def test_an_all_sliding_model_holds_kv_for_its_window_only(models, monkeypatch):
     held = []
     real = BlockManager.allocate_slots
 
-    def allocate_slots(self, seq, num_new_tokens):
-        copies = real(self, seq, num_new_tokens)
+    def allocate_slots(self, seq, num_new_tokens, num_lookahead_tokens=0):
+        copies = real(self, seq, num_new_tokens, num_lookahead_tokens)
         held.append(sum(b != FREED_BLOCK for b in seq.block_table))
         return copies
 
