@@ -18,6 +18,7 @@ from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.spec_decode.ngram import NgramProposer
+from pagedllm.engine.spec_decode.proposer import Proposer
 from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, StepStats
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
@@ -613,7 +614,7 @@ def _embedding(seq: Sequence) -> list[float] | None:
     return vector.tolist()
 
 
-def _proposer(speculative_config: dict | None) -> NgramProposer | None:
+def _proposer(speculative_config: dict | None) -> Proposer | None:
     if speculative_config is None:
         return None
     return NgramProposer(speculative_config["num_speculative_tokens"],

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.block_manager import FREED_BLOCK, BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
-from pagedllm.engine.spec_decode.ngram import NgramProposer
+from pagedllm.engine.spec_decode.proposer import Proposer
 from pagedllm.engine.swap import SwapPool
 from pagedllm.utils import cdiv
 
@@ -83,7 +83,7 @@ class Scheduler:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", num_swap_blocks: int = 0,
                  sliding_window: int | None = None,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: Proposer | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -168,6 +168,7 @@ class Scheduler:
                           copies: list[tuple[int, int]]) -> tuple[int, bool]:
         bm = self.block_manager
         preempted = False
+        proposals = self._propose(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -175,7 +176,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            drafts = self._propose(seq, budget) if n == 1 else []
+            drafts = proposals.get(id(seq), [])[:budget - 1] if n == 1 else []
             if drafts and not bm.can_allocate_slots(seq, 1 + len(drafts)):
                 drafts = []  # drafts never preempt anyone
             while not bm.can_allocate_slots(seq, n):
@@ -192,16 +193,26 @@ class Scheduler:
             i += 1
         return budget, preempted
 
-    def _propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a decode row: as many as the proposer finds, the budget leaves,
-        and the request can still append after its next token (max_tokens, max_model_len)."""
-        if self.proposer is None or not _can_speculate(seq):
-            return []
-        room = min(budget, self.max_model_len - len(seq)) - 1
-        sp = seq.sampling_params
-        if sp.max_tokens is not None:
-            room = min(room, sp.max_tokens - seq.num_completion_tokens - 1)
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+    def _propose(self, budget: int) -> dict[int, list[int]]:
+        """Draft tokens for the running decode rows that may speculate, by id(seq): as many
+        as the proposer finds and the request can still append after its next token
+        (max_tokens, max_model_len); the caller trims them to the budget it has left."""
+        if self.proposer is None:
+            return {}
+        seqs, max_lens = [], []
+        for seq in self.running:
+            if seq.num_uncomputed_tokens != 1 or not _can_speculate(seq):
+                continue
+            room = min(budget, self.max_model_len - len(seq)) - 1
+            sp = seq.sampling_params
+            if sp.max_tokens is not None:
+                room = min(room, sp.max_tokens - seq.num_completion_tokens - 1)
+            if room > 0:
+                seqs.append(seq)
+                max_lens.append(room)
+        if not seqs:
+            return {}
+        return {id(seq): drafts for seq, drafts in zip(seqs, self.proposer.propose(seqs, max_lens))}
 
     def _schedule_waiting(self, budget: int, rows: list[tuple[Sequence, int]],
                           copies: list[tuple[int, int]]) -> None:
@@ -257,6 +268,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         seq.spec_token_ids = []
+        if self.proposer is not None:
+            self.proposer.release(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # (a sequence whose window freed blocks is recomputed: the swap pool moves whole tables)
@@ -363,6 +376,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.block_manager.deallocate(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
         for child in seq.pending_forks:  # samples that never started end with their parent
             child.status = SequenceStatus.FINISHED
             child.finish_reason, child.stop_reason = reason, stop_reason

@@ -46,7 +46,8 @@ def test_ngram_proposes_nothing_without_a_match_or_below_min():
     assert propose_ngram([1, 2, 9, 1, 2], 3, 3, 3) == []     # only a 2-gram repeats
     assert propose_ngram([7], 3, 1, 3) == []
     assert propose_ngram([1, 1, 1], 0, 1, 3) == []
-    assert NgramProposer(4, 1, 3).propose([1, 2, 1, 2, 1], max_tokens=2) == [2, 1]
+    seq = Sequence([1, 2, 1, 2, 1], SamplingParams(), block_size=4)
+    assert NgramProposer(4, 1, 3).propose([seq], [2]) == [[2, 1]]
 
 
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 5),

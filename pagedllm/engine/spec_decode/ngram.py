@@ -8,18 +8,24 @@ extraction).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedllm.engine.spec_decode.proposer import Proposer
+
+if TYPE_CHECKING:
+    from pagedllm.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(Proposer):
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
-        k = self.num_speculative_tokens if max_tokens is None else min(
-            self.num_speculative_tokens, max_tokens)
-        return propose_ngram(token_ids, k, self.prompt_lookup_min, self.prompt_lookup_max)
+    def propose(self, seqs: list[Sequence], max_lens: list[int]) -> list[list[int]]:
+        return [propose_ngram(seq.token_ids, min(self.num_speculative_tokens, k),
+                              self.prompt_lookup_min, self.prompt_lookup_max)
+                for seq, k in zip(seqs, max_lens)]
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
