@@ -333,7 +333,7 @@ class LLMEngine:
             return outputs
         self.num_prompt_tokens += batch.num_prefill_tokens
         if sampled.logprobs is not None:
-            self._record_logprobs(batch.sampled_seqs, sampled.logprobs)
+            self._record_logprobs(batch.sampled_seqs, sampled.logprobs, sampled.accepted_logprobs)
         lengths = [len(seq) for seq in batch.sampled_seqs]
         try:
             self.scheduler.postprocess(batch, sampled.token_ids, sampled.accepted)
@@ -359,13 +359,17 @@ class LLMEngine:
                                    time.perf_counter() - t, batch.num_prefill_tokens)
         return outputs
 
-    def _record_logprobs(self, seqs: list[Sequence],
-                         logprobs: list[TokenLogprobs | None]) -> None:
-        for seq, token_logprobs in zip(seqs, logprobs):
+    def _record_logprobs(self, seqs: list[Sequence], logprobs: list[TokenLogprobs | None],
+                         accepted: list[list[TokenLogprobs | None]] | None) -> None:
+        """Each sampled token's logprobs, accepted drafts' first; a stop that drops tokens
+        drops theirs (_process_new_tokens)."""
+        for i, (seq, token_logprobs) in enumerate(zip(seqs, logprobs)):
             if seq.is_beam:  # (SamplingParams rejects logprobs with beam search)
                 continue
             sample = self.requests[seq.request_id].samples[seq.sample_index]
             if token_logprobs is not None and sample.logprobs is not None:
+                if accepted is not None:
+                    sample.logprobs.extend(accepted[i])  # type: ignore[arg-type]
                 sample.logprobs.append(token_logprobs)
 
     def _process_new_tokens(self, seq: Sequence, first: int) -> _RequestState:
@@ -392,6 +396,8 @@ class LLMEngine:
             if (not last or not seq.is_finished) and self._check_stop_strings(sample):
                 del seq.token_ids[i + 1:]
                 break
+        if sample.logprobs is not None:  # tokens a stop dropped take their logprobs along
+            del sample.logprobs[seq.num_completion_tokens:]
         return state
 
     def _advance_grammar(self, seq: Sequence) -> None:

@@ -31,6 +31,7 @@ from pagedllm.engine.kv_cache import (KVCacheShape, allocate_kv_cache, allocate_
                                       bind_kv_cache)
 from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.spec_decode.positions import draft_positions
 from pagedllm.engine.spec_decode.rejection_sampler import verify_greedy, verify_sampled
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, default_num_threads, sigint_deferred
@@ -38,7 +39,8 @@ from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.quantized import GGUFWeight
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch,
-                                     apply_top_k_top_p_min_p, compute_logprobs, sample)
+                                     apply_token_controls, apply_top_k_top_p_min_p,
+                                     compute_logprobs, sample)
 from pagedllm.layers.structured_output import fill_token_masks
 from pagedllm.loader.model_loader import build_model, decode_read_bytes, linear_kernels
 from pagedllm.models.config import ModelConfig
@@ -382,28 +384,52 @@ class ModelRunner:
                     if sampling.num_logprobs is not None else None)
         output = SamplerOutput(token_ids.tolist(), logprobs)
         if verified:
-            output.accepted = self.verify_drafts(batch, verified, spec_logits, output.token_ids)
+            self.verify_drafts(batch, verified, spec_logits, output, eos_token_ids)
         return output
 
     def verify_drafts(self, batch: ScheduledBatch, verified: list[tuple[int, list[int]]],
-                      logits: torch.Tensor, token_ids: list[int]) -> list[list[int]]:
-        """Per batch.samplers entry, the draft tokens the target accepts; for a verified
-        entry token_ids[i] becomes the token the target emits after them. logits hold each
-        verified row's 1 + k positions in turn. (Its last position was also sampled above, as
-        every row's is; the verifier draws its own tokens, from the same generator.)"""
-        accepted: list[list[int]] = [[] for _ in batch.samplers]
+                      logits: torch.Tensor, output: SamplerOutput,
+                      eos_token_ids: list[int]) -> None:
+        """Verify each verified row's drafts: set output.accepted (per batch.samplers entry,
+        the drafts the target accepts), replace the row's token in output.token_ids by the
+        one the target emits after them and, where logprobs are asked, give every emitted
+        token its logprobs (output.accepted_logprobs, output.logprobs).
+
+        logits hold each verified row's 1 + k positions in turn. Position j is processed as
+        plain decoding would process that step (DraftPosition: penalties, logit controls and
+        min_tokens see the first j drafts as sampled). (A row's last position was also
+        sampled above, as every row's is; the verifier draws its own tokens, from the same
+        generator.)"""
+        seqs = [batch.samplers[i][0] for i, _ in verified]
+        positions = [p for seq in seqs for p in draft_positions(seq)]
+        sampling = self.prepare_sample(positions, eos_token_ids)  # type: ignore[arg-type]
+        x = (apply_token_controls(logits, sampling, list(range(len(positions))))
+             if sampling.changes_logits else logits.float())
+        output.accepted = [[] for _ in batch.samplers]
+        emitted: list[int] = []      # per position: the token it emits (0 past the last)
         at = 0
-        for i, rows in verified:
-            seq = batch.samplers[i][0]
-            part, at = logits[at:at + len(rows)].float(), at + len(rows)
+        for (i, _), seq in zip(verified, seqs):
+            n = len(seq.spec_token_ids) + 1
+            part, at = x[at:at + n], at + n
             sp = seq.sampling_params
             if sp.temperature == 0:
                 out = verify_greedy(part.argmax(-1).tolist(), seq.spec_token_ids)
             else:
                 out = verify_sampled(_target_probs(part, sp, self.model_config.vocab_size),
                                      seq.spec_token_ids, seq.generator or self.generator)
-            accepted[i], token_ids[i] = out[:-1], out[-1]
-        return accepted
+            output.accepted[i], output.token_ids[i] = out[:-1], out[-1]
+            emitted.extend(out + [0] * (n - len(out)))
+        if sampling.num_logprobs is None:
+            return
+        assert output.logprobs is not None  # (a row asking logprobs was sampled too)
+        logprobs = compute_logprobs(logits, sampling, torch.tensor(emitted))
+        output.accepted_logprobs = [[] for _ in batch.samplers]
+        at = 0
+        for (i, _), seq in zip(verified, seqs):
+            n = len(output.accepted[i])
+            output.accepted_logprobs[i] = logprobs[at:at + n]
+            output.logprobs[i] = logprobs[at + n]
+            at += len(seq.spec_token_ids) + 1
 
     @staticmethod
     def beam_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> None:

@@ -398,12 +398,11 @@ class Scheduler:
 
 
 def _can_speculate(seq: Sequence) -> bool:
-    """Whether a decode row may verify drafts: its next tokens depend only on the logits
-    (temperature, top-k / top-p / min-p, a seed). Penalties, logit controls, min_tokens' ban,
-    grammars, logprobs, beams, prompt logprobs and pooling keep per-token state or output
-    the verifier does not replay; such rows decode one token a step, in the same batch."""
+    """Whether a decode row may verify drafts. Penalties, logit controls, min_tokens and
+    logprobs are replayed at every verified position (spec_decode/positions.py); a grammar
+    (its matcher takes one token at a time), beams (they advance together) and pooling
+    rows, and a prompt whose other n samples are not forked yet, decode one token a step,
+    in the same batch."""
     sp = seq.sampling_params
-    return (not sp.has_penalties and sp.logprobs is None and sp.prompt_logprobs is None
-            and sp.pooling is None and not sp.use_beam_search and seq.grammar is None
-            and not seq.bad_words_token_ids and not sp.allowed_token_ids and not sp.logit_bias
-            and seq.num_completion_tokens >= sp.min_tokens and not seq.pending_forks)
+    return (sp.pooling is None and not sp.use_beam_search and seq.grammar is None
+            and not seq.pending_forks)

@@ -8,6 +8,7 @@ raises a RuntimeError naming why the build failed).
 """
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -221,11 +222,26 @@ def decode_layers(x: Tensor, positions: Tensor, layers: list[object], final_norm
 # ---- private torch ops -------------------------------------------------------------------------
 
 def onednn_pack_linear_weight(weight: Tensor) -> Tensor | None:
-    """The bf16 weight in oneDNN's blocked layout (an opaque tensor), None where torch has
-    no oneDNN. The batch-size hint (64) only picks a blocking; results equal F.linear's."""
-    if not torch.backends.mkldnn.is_available():
+    """The bf16 weight in oneDNN's blocked layout (an opaque tensor), None where torch's
+    oneDNN cannot pack bf16 on this CPU. The batch-size hint (64) only picks a blocking;
+    results equal F.linear's."""
+    if not onednn_packs_bf16():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether torch's oneDNN packs bf16 linear weights here: it needs AVX512BW/VL/DQ or
+    AVX-NE-CONVERT, and refuses (a RuntimeError) on AVX2-only CPUs such as AMD Zen 2/3,
+    where bf16 linears fall back to F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 64)
+    except RuntimeError:
+        return False
+    return True
 
 
 def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:

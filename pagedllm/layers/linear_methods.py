@@ -22,7 +22,8 @@ select_linear_method or in the loader that picks it.
   the packed copy a 64-row decode step takes 18 instead of 32 ms of linears). Where the
   CPU has AVX512-BF16 (AMX CPUs), the first two kernels read the plain weight, so it stays
   beside oneDNN's packing: such linears hold their weight twice (see keeps_two_forms).
-  Without AVX512-BF16 only oneDNN's packing is read and the plain weight is freed.
+  Without AVX512-BF16 only oneDNN's packing is read and the plain weight is freed; where
+  oneDNN cannot pack bf16 at all (AVX2-only CPUs: AMD Zen 2/3) it is F.linear.
 - GGUFQ4_1LinearMethod (layers/quantized.py): a GGUF Q4_1 weight kept quantized.
 """
 from __future__ import annotations

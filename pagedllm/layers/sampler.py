@@ -72,6 +72,8 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     accepted: list[list[int]] | None = None
+    # with logprobs asked: per row, those of the accepted drafts (logprobs: its last token's)
+    accepted_logprobs: list[list[TokenLogprobs | None]] | None = None
 
 
 def unpack_token_masks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:

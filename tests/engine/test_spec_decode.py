@@ -83,17 +83,78 @@ def test_greedy_speculation_equals_plain_decoding(kw):
 
 
 def test_mixed_batch_of_speculating_and_plain_rows_and_n_greater_than_one():
-    """Rows with a penalty or logprobs decode one token a step beside speculating rows; both
-    greedy samples of an n = 2 request speculate on their own."""
+    """Rows with a penalty or logprobs speculate beside plain ones; both greedy samples of an
+    n = 2 request speculate on their own; a beam-search-free batch of them equals plain."""
     params = [greedy(), greedy(presence_penalty=0.5), greedy(logprobs=2), greedy(n=2)]
     plain, spec = generate_both(params, [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]])
     assert_same_completions(plain, spec)
-    # (the batch differs, so the fp32 sums round differently: equal tokens, close values)
-    for a, b in zip(plain[2].outputs[0].logprobs, spec[2].outputs[0].logprobs, strict=True):
-        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert_same_logprobs(plain[2], spec[2])
     assert spec[0].metrics.num_accepted_tokens > 0 and spec[3].metrics.num_accepted_tokens > 0
-    assert spec[1].metrics.num_draft_tokens == 0 and spec[2].metrics.num_draft_tokens == 0
     assert [len(c.token_ids) for c in spec[3].outputs] == [NEW_TOKENS] * 2
+
+
+def assert_same_logprobs(plain, spec) -> None:
+    """Each emitted token's logprobs equal plain decoding's: the same token ids, values
+    within fp32 rounding (a verified position's logits come from a multi-token chunk)."""
+    for x, y in zip(plain.outputs, spec.outputs, strict=True):
+        assert len(y.logprobs) == len(y.token_ids) == len(x.logprobs)
+        for a, b, token in zip(x.logprobs, y.logprobs, y.token_ids, strict=True):
+            assert a.token_id == b.token_id == token
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+            assert [t for t, _ in b.top] == [t for t, _ in a.top]
+            assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-4)
+
+
+# Token controls whose effect depends on the output so far: each verified position must
+# see the drafts before it as sampled (penalty counts, min_tokens' EOS ban, bad words one
+# token from complete), or the accepted tokens differ from plain decoding's.
+CONTROLS = {
+    "repetition": dict(repetition_penalty=1.05),
+    "frequency+presence": dict(frequency_penalty=0.7, presence_penalty=0.4),
+    "logit_bias": dict(logit_bias={13: 4.0, 198: -3.0}),
+    "allowed": dict(allowed_token_ids=list(range(20, 4000))),
+    "min_tokens": dict(min_tokens=NEW_TOKENS - 2, ignore_eos=False),
+    "logprobs": dict(logprobs=3),
+    "everything": dict(repetition_penalty=1.1, frequency_penalty=0.3, logprobs=1,
+                       logit_bias={28: -2.0}, min_tokens=4),
+}
+
+
+@pytest.mark.parametrize("controls", CONTROLS.values(), ids=CONTROLS.keys())
+def test_speculation_replays_token_controls_at_every_verified_position(controls):
+    controls = dict(controls)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                            ignore_eos=controls.pop("ignore_eos", True), **controls)
+    plain, spec = generate_both(params)
+    assert_same_completions(plain, spec)
+    if params.logprobs is not None:
+        for a, b in zip(plain, spec):
+            assert_same_logprobs(a, b)
+    # accepted drafts: positions past the first were replayed and checked
+    assert sum(o.metrics.num_accepted_tokens for o in spec) > 0, "no draft was accepted"
+    assert_all_blocks_free(engine(True))
+
+
+def test_bad_words_are_banned_inside_accepted_drafts():
+    """A bad word that plain decoding would have produced, made of two tokens: the verified
+    position after its first token bans the second, as plain decoding's step does."""
+    base = engine(False).generate(PROMPTS[:1], greedy(), use_tqdm=False)[0].outputs[0]
+    tokens = base.token_ids
+    word = engine(False).get_tokenizer().decode(tokens[10:12])
+    params = greedy(bad_words=[word])
+    plain, spec = generate_both(params, PROMPTS[:1])
+    assert_same_completions(plain, spec)
+    assert plain[0].outputs[0].token_ids[:12] != tokens[:12]  # the ban changed the output
+    assert spec[0].metrics.num_accepted_tokens > 0
+
+
+def test_stop_strings_drop_the_logprobs_of_the_tokens_they_cut():
+    base = engine(False).generate(PROMPTS[:1], greedy(40), use_tqdm=False)[0].outputs[0]
+    stop = base.text[len(base.text) // 2:len(base.text) // 2 + 5]
+    plain, spec = generate_both(greedy(40, stop=[stop], logprobs=0), PROMPTS[:1])
+    assert_same_completions(plain, spec)
+    assert_same_logprobs(plain[0], spec[0])
+    assert spec[0].metrics.num_accepted_tokens > 0
 
 
 def test_stops_inside_an_accepted_run_land_where_plain_decoding_puts_them():

@@ -52,8 +52,9 @@ def test_bundled_model_in_bf16_holds_its_weights_once(load_log):
         assert ratio <= MAX_RATIO
         packed = [m for m in model.modules()
                   if isinstance(m, LinearLayer) and m.linear_method.owns_packing]
-        assert packed and all(m.weight.numel() == 0 for m in packed)
-        assert model.model.embed_tokens.tied_rows is not None
+        if probes.has_packed_linear():  # (an AVX2-only CPU has no bf16 kernel: F.linear)
+            assert packed and all(m.weight.numel() == 0 for m in packed)
+            assert model.model.embed_tokens.tied_rows is not None
         out = llm.generate(["The capital of France is"],
                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "Paris" in out[0].text
