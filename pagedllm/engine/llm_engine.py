@@ -391,8 +391,12 @@ class LLMEngine:
                 return state
             sample.text += sample.last_delta
             last = i == len(seq) - 1
-            if last and seq.grammar is not None and not seq.is_finished:
-                self._advance_grammar(seq)  # (grammar rows append one token a step)
+            if seq.grammar is not None and not (last and seq.is_finished):
+                if not self._advance_grammar(seq, seq.token_ids[i]):
+                    return state
+                if seq.is_finished:  # the grammar is complete: what follows is dropped
+                    del seq.token_ids[i + 1:]
+                    break
             if (not last or not seq.is_finished) and self._check_stop_strings(sample):
                 del seq.token_ids[i + 1:]
                 break
@@ -400,14 +404,16 @@ class LLMEngine:
             del sample.logprobs[seq.num_completion_tokens:]
         return state
 
-    def _advance_grammar(self, seq: Sequence) -> None:
-        """The grammar takes the sampled token (the mask allowed it); a completed grammar
-        ends the sequence as a stop would."""
+    def _advance_grammar(self, seq: Sequence, token_id: int) -> bool:
+        """The grammar takes a sampled or accepted token (its mask allowed it); a completed
+        grammar ends the sequence as a stop would. False: it failed the request."""
         grammar = seq.grammar
-        if not grammar.consume_token(seq.last_token):
+        if not grammar.consume_token(token_id):
             self._fail([seq], f"structured output: {grammar.get_error()}")
-        elif grammar.is_stopped():
+            return False
+        if grammar.is_stopped():
             self.scheduler.finish(seq, "stop")
+        return True
 
     def _advance_beams(self, state: _RequestState) -> None:
         """One beam-search step: fork the beams that continue, drop the others (their blocks

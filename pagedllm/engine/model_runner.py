@@ -41,7 +41,7 @@ from pagedllm.layers.quantized import GGUFWeight
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch,
                                      apply_token_controls, apply_top_k_top_p_min_p,
                                      compute_logprobs, sample)
-from pagedllm.layers.structured_output import fill_token_masks
+from pagedllm.layers.structured_output import draft_token_masks, fill_token_masks
 from pagedllm.loader.model_loader import build_model, decode_read_bytes, linear_kernels
 from pagedllm.models.config import ModelConfig
 from pagedllm.outputs import TokenLogprobs
@@ -402,7 +402,11 @@ class ModelRunner:
         generator.)"""
         seqs = [batch.samplers[i][0] for i, _ in verified]
         positions = [p for seq in seqs for p in draft_positions(seq)]
-        sampling = self.prepare_sample(positions, eos_token_ids)  # type: ignore[arg-type]
+        vocab = self.model_config.vocab_size
+        grammar_masks = [draft_token_masks(seq.grammar, seq.spec_token_ids, vocab)
+                         for seq in seqs if seq.grammar is not None]
+        sampling = self.prepare_sample(positions, eos_token_ids,  # type: ignore[arg-type]
+                                       torch.cat(grammar_masks) if grammar_masks else None)
         x = (apply_token_controls(logits, sampling, list(range(len(positions))))
              if sampling.changes_logits else logits.float())
         output.accepted = [[] for _ in batch.samplers]

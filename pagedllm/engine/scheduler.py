@@ -398,11 +398,9 @@ class Scheduler:
 
 
 def _can_speculate(seq: Sequence) -> bool:
-    """Whether a decode row may verify drafts. Penalties, logit controls, min_tokens and
-    logprobs are replayed at every verified position (spec_decode/positions.py); a grammar
-    (its matcher takes one token at a time), beams (they advance together) and pooling
-    rows, and a prompt whose other n samples are not forked yet, decode one token a step,
-    in the same batch."""
+    """Whether a decode row may verify drafts. Penalties, logit controls, min_tokens,
+    grammars and logprobs are replayed at every verified position (spec_decode/
+    positions.py); beams (they advance together) and pooling rows, and a prompt whose other
+    n samples are not forked yet, decode one token a step, in the same batch."""
     sp = seq.sampling_params
-    return (sp.pooling is None and not sp.use_beam_search and seq.grammar is None
-            and not seq.pending_forks)
+    return sp.pooling is None and not sp.use_beam_search and not seq.pending_forks

@@ -100,6 +100,23 @@ def fill_token_masks(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     return masks
 
 
+def draft_token_masks(matcher: Any, drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """The masks of a row verifying drafts under a grammar, int32 [len(drafts) + 1, W]: row j
+    is the mask after the first j drafts. The drafts are consumed to compute them and rolled
+    back after (the engine consumes what is accepted). Past the first draft the grammar
+    refuses, that draft is masked and so rejected: later rows are never read and allow
+    everything."""
+    words = (vocab_size + 31) // 32
+    masks = torch.full((len(drafts) + 1, words), -1, dtype=torch.int32)
+    valid = matcher.validate_tokens(drafts)
+    for j in range(valid + 1):
+        if j and not matcher.consume_token(drafts[j - 1]):  # (validate_tokens said it would)
+            raise RuntimeError(f"structured output: {matcher.get_error()}")
+        matcher.unsafe_compute_mask_ptr(masks[j].data_ptr(), words * 4)
+    matcher.rollback(valid)
+    return masks
+
+
 def _grammar(ll: Any, params: StructuredOutputsParams) -> tuple[str, str]:
     """(the field that holds the constraint, llguidance's grammar text for it)."""
     if params.json is not None:

@@ -8,7 +8,9 @@ import functools
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+import json
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 BLOCK_BYTES = 16 * 2 * 30 * 3 * 64 * 4   # one 16-token block of SmolLM2's fp32 KV
@@ -146,6 +148,39 @@ def test_bad_words_are_banned_inside_accepted_drafts():
     assert_same_completions(plain, spec)
     assert plain[0].outputs[0].token_ids[:12] != tokens[:12]  # the ban changed the output
     assert spec[0].metrics.num_accepted_tokens > 0
+
+
+EXTRACT = ("Record: name Ada Lovelace, born 1815 in London, occupation mathematician; "
+           "name Alan Turing, born 1912 in London, occupation mathematician.\n"
+           "The same records as JSON lines, one object per record:\n"
+           '{"name": "Ada Lovelace", "born": 1815, "city": "London"}\n{"name": "')
+PEOPLE = {"type": "object", "properties": {
+    "people": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+        "type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                         "city": {"type": "string", "enum": ["London", "Paris"]}},
+        "required": ["name", "born", "city"], "additionalProperties": False}}},
+    "required": ["people"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("constraint", [
+    {"json": PEOPLE},
+    {"regex": r"(Ada Lovelace|Alan Turing), born [0-9]{4}( in London)?\."},
+], ids=["json-schema", "regex"])
+def test_grammar_rows_speculate_and_equal_plain_decoding(constraint):
+    """A constrained row verifies drafts under its grammar's mask at every position: the
+    same tokens as plain decoding, output that parses, and drafts the grammar refuses are
+    rejected (never consumed by the matcher)."""
+    params = SamplingParams(temperature=0, max_tokens=80, logprobs=1,
+                            structured_outputs=StructuredOutputsParams(**constraint))
+    prompts = [EXTRACT, EXTRACT + "Alan Turing", PROMPTS[1]]
+    plain, spec = generate_both(params, prompts)
+    assert_same_completions(plain, spec)
+    for a, b in zip(plain, spec):
+        assert_same_logprobs(a, b)
+        if b.outputs[0].finish_reason == "stop" and "json" in constraint:
+            assert len(json.loads(b.outputs[0].text)["people"]) == 2
+    assert spec[0].metrics.num_accepted_tokens > 0   # the records are copied from the prompt
+    assert_all_blocks_free(engine(True))
 
 
 def test_stop_strings_drop_the_logprobs_of_the_tokens_they_cut():
