@@ -34,10 +34,12 @@ SETTINGS = [
     {},
     {"enable_prefix_caching": False},
     {"max_num_batched_tokens": 40},                                   # chunked prompts
-    {"kv_cache_memory_bytes": 14 * BLOCK_BYTES, "max_num_batched_tokens": 64},  # recompute
-    {"kv_cache_memory_bytes": 14 * BLOCK_BYTES, "max_num_batched_tokens": 64,
+    {"kv_cache_memory_bytes": 10 * BLOCK_BYTES, "max_num_batched_tokens": 64},  # recompute
+    {"kv_cache_memory_bytes": 10 * BLOCK_BYTES, "max_num_batched_tokens": 64,
      "preemption_mode": "swap", "swap_space": 0.05},
 ]
+# (accepting every draft, rows finish in fewer steps: a tighter budget forces preemption)
+TIGHT = [{**kw, "kv_cache_memory_bytes": 7 * BLOCK_BYTES} for kw in SETTINGS[3:]]
 SETTING_IDS = ["default", "no-prefix-caching", "chunked", "preempt-recompute", "preempt-swap"]
 
 
@@ -93,7 +95,7 @@ def test_self_speculation_equals_plain_decoding(kw):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("kw", [SETTINGS[0], SETTINGS[2], SETTINGS[3], SETTINGS[4]],
+@pytest.mark.parametrize("kw", [SETTINGS[0], SETTINGS[2], *TIGHT],
                          ids=["default", "chunked", "preempt-recompute", "preempt-swap"])
 def test_the_target_as_its_own_draft_has_every_draft_accepted(kw):
     """The draft computes what the target computes: a draft it rejects would be a token the
@@ -104,6 +106,8 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(kw):
     assert token_ids(spec) == token_ids(plain)
     num_drafted, num_accepted = drafted(spec)
     assert num_drafted > NEW_TOKENS and num_accepted == num_drafted
+    if "kv_cache_memory_bytes" in kw:
+        assert llm.engine.stats().num_preemptions > 0, "the KV budget must force preemption"
     assert_all_free(llm)
 
 
@@ -120,16 +124,20 @@ def test_mixed_batch_of_drafting_and_plain_rows_and_n_greater_than_one():
 
 
 def test_a_short_draft_pool_proposes_less_and_changes_nothing():
-    """Eight draft blocks (128 tokens) for four rows: rows that do not fit propose nothing."""
-    spec_config = {**ITSELF, "num_draft_blocks": 8}
+    """Four draft blocks (64 tokens) for four rows (45, 25, 15 and 15 prompt tokens): rows
+    wait for blocks or draft fewer tokens. One block (16 tokens) never holds a 25-token
+    prompt: that request drafts nothing at all."""
     plain = engine(None).generate(PROMPTS, greedy(), use_tqdm=False)
-    llm = engine(spec_config)
-    assert llm.engine.scheduler.proposer.num_blocks == 8
-    spec = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-    assert token_ids(spec) == token_ids(plain)
-    assert any(o.metrics.num_draft_tokens == 0 for o in spec)
-    assert any(o.metrics.num_draft_tokens > 0 for o in spec)
-    assert_all_free(llm)
+    unlimited = engine(ITSELF).generate(PROMPTS, greedy(), use_tqdm=False)
+    for num_blocks in (4, 1):
+        llm = engine({**ITSELF, "num_draft_blocks": num_blocks})
+        assert llm.engine.scheduler.proposer.num_blocks == num_blocks
+        spec = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert token_ids(spec) == token_ids(plain)
+        assert drafted(spec)[0] < drafted(unlimited)[0]
+        assert_all_free(llm)
+    alone = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)
+    assert token_ids(alone) == token_ids(plain[1:2]) and drafted(alone) == (0, 0)
 
 
 def test_draft_blocks_are_freed_when_requests_are_aborted():
