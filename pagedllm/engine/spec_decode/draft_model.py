@@ -224,6 +224,9 @@ class DraftStats:
 
 
 class DraftModelProposer(Proposer):
+    """Greedy drafts from runner's model over runner's KV pool, whose blocks it hands out
+    itself (free_blocks, one _DraftState per sequence id)."""
+
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int,
                  max_num_batched_tokens: int) -> None:
         self.runner = runner
