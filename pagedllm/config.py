@@ -83,7 +83,10 @@ class EngineConfig:
         'speculative decoding, vLLM\'s shape as JSON: {"method": "ngram", '
         '"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4} proposes '
         "up to k tokens copied from where the last 1..4 tokens occurred before in the prompt or "
-        "output, verified exactly in one forward pass (default: off)", default=None)
+        "output, verified exactly in one forward pass; " '{"model": "draft.gguf", '
+        '"num_speculative_tokens": k} proposes k tokens greedily with a smaller model sharing '
+        'the tokenizer; {"method": "self", "num_draft_layers": N, "num_speculative_tokens": k} '
+        "with the target's own first N layers (docs/serving.md) (default: off)", default=None)
     check_invariants: bool | None = _opt(
         "verify KV block accounting before and after every step and stop the engine on a "
         f"violation; unset: on if ${CHECK_INVARIANTS_ENV}=1", default=None)
@@ -191,12 +194,13 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
+DRAFT_METHODS = ("draft_model", "self")   # proposers that run a model (spec_decode/draft_model.py)
 
 
 def parse_speculative_config(value: dict | str | None) -> dict | None:
     """The validated speculative_config with its defaults filled in (None: off). A string
-    is JSON (the CLI's form)."""
+    is JSON (the CLI's form). As in vLLM, a "model" without a "method" means draft_model."""
     if value is None or value == "":
         return None
     if isinstance(value, str):
@@ -206,26 +210,57 @@ def parse_speculative_config(value: dict | str | None) -> dict | None:
             raise ValueError(f"speculative_config is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-    if unknown := sorted(set(value) - known):
-        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
-    method = value.get("method")
+    method = value.get("method", "draft_model" if "model" in value else None)
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)}, "
                          f"got {method!r}")
+    if method in DRAFT_METHODS:
+        return _parse_draft_config(method, value)
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    if unknown := sorted(set(value) - known):
+        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
     config = {"method": method, "num_speculative_tokens": value.get("num_speculative_tokens"),
               "prompt_lookup_min": value.get("prompt_lookup_min", 1),
               "prompt_lookup_max": value.get("prompt_lookup_max")}
     if config["prompt_lookup_max"] is None:
         config["prompt_lookup_max"] = max(4, config["prompt_lookup_min"])
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-        v = config[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"speculative_config: {key} must be a positive integer, got {v!r}")
+        _check_positive_int(config, key)
     if config["prompt_lookup_min"] > config["prompt_lookup_max"]:
         raise ValueError(f"speculative_config: prompt_lookup_min ({config['prompt_lookup_min']}) "
                          f"exceeds prompt_lookup_max ({config['prompt_lookup_max']})")
     return config
+
+
+def _parse_draft_config(method: str, value: dict) -> dict:
+    """draft_model: {"model": GGUF file or HF directory sharing the target's tokenizer};
+    self: {"num_draft_layers": N}, the target's first N layers + its final norm and LM head
+    (N < the target's layers, checked when the model is loaded). Both take
+    num_speculative_tokens and num_draft_blocks, the draft's own KV pool in blocks of
+    block_size tokens (default: as many as the target's pool, so the draft can hold every
+    token the target holds)."""
+    needed = "model" if method == "draft_model" else "num_draft_layers"
+    known = {"method", "num_speculative_tokens", "num_draft_blocks", needed}
+    if unknown := sorted(set(value) - known):
+        raise ValueError(f"speculative_config: unknown keys {unknown} for method {method!r}; "
+                         f"known: {sorted(known)}")
+    config = {"method": method, "num_speculative_tokens": value.get("num_speculative_tokens"),
+              needed: value.get(needed), "num_draft_blocks": value.get("num_draft_blocks")}
+    _check_positive_int(config, "num_speculative_tokens")
+    if config["num_draft_blocks"] is not None:
+        _check_positive_int(config, "num_draft_blocks")
+    if method == "self":
+        _check_positive_int(config, "num_draft_layers")
+    elif not isinstance(config["model"], str) or not config["model"]:
+        raise ValueError("speculative_config: method draft_model needs \"model\", the path of "
+                         f"a GGUF file or HF directory, got {config['model']!r}")
+    return config
+
+
+def _check_positive_int(config: dict, key: str) -> None:
+    v = config[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"speculative_config: {key} must be a positive integer, got {v!r}")
 
 
 def env_flag(name: str) -> bool:

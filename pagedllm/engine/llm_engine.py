@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import DRAFT_METHODS, EngineConfig
 from pagedllm.distributed import torchrun_env
 from pagedllm.kernels.probes import gguf_linear_available
 from pagedllm.engine.beam_search import BeamSearchState
@@ -17,6 +17,7 @@ from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode.draft_model import build_draft_proposer
 from pagedllm.engine.spec_decode.ngram import NgramProposer
 from pagedllm.engine.spec_decode.proposer import Proposer
 from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, StepStats
@@ -135,6 +136,10 @@ class LLMEngine:
         logger.info(resident_line(self.model_runner.model, source.config, config.torch_dtype,
                                   source.path, source.format, config.tensor_parallel_size))
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        spec = config.speculative_config
+        proposer = (build_draft_proposer(config, self.model_runner, source)
+                    if spec is not None and spec["method"] in DRAFT_METHODS
+                    else _proposer(spec))
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_kvcache_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
@@ -146,7 +151,7 @@ class LLMEngine:
             num_swap_blocks=self.model_runner.num_swap_blocks,
             sliding_window=(source.config.sliding_window if source.config.all_layers_sliding
                             else None),
-            proposer=_proposer(config.speculative_config))
+            proposer=proposer)
         self.grammars = GrammarCompiler(self.tokenizer, source.config.vocab_size,
                                         self.eos_token_ids[0] if self.eos_token_ids else None)
         self.requests: dict[str, _RequestState] = {}
