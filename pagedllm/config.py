@@ -15,6 +15,11 @@ from pagedllm.kernels import probes
 CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton", "flash")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Measured (docs/benchmarks.md, "Speculative decoding"; scripts/spec_decode_standdown.py):
+# on the bundled SmolLM2 (2 Zen 3 cores, fp32 activations, Q4_1 weights) a decode step of B
+# rows that each verify one rejected draft token costs ... more than the plain step from
+# B = ... rows on; from there a draft must be accepted more often than not to pay.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 def _opt(help: str, **kw: Any) -> Any:
@@ -83,7 +88,13 @@ class EngineConfig:
         'speculative decoding, vLLM\'s shape as JSON: {"method": "ngram", '
         '"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4} proposes '
         "up to k tokens copied from where the last 1..4 tokens occurred before in the prompt or "
-        "output, verified exactly in one forward pass (default: off)", default=None)
+        'output; {"method": "suffix"} (keys suffix_decoding_max_tree_depth, '
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+        "suffix_decoding_min_token_prob) the most frequent continuation of the longest matching "
+        "suffix in the request and in recent outputs. Drafts are verified exactly in one forward "
+        'pass; "adaptive": false keeps proposals at k tokens, "disable_by_batch_size": N (null: '
+        f"never) stops drafting in steps with N or more decode rows (default "
+        f"{DEFAULT_DISABLE_BY_BATCH_SIZE}). Default: off", default=None)
     check_invariants: bool | None = _opt(
         "verify KV block accounting before and after every step and stop the engine on a "
         f"violation; unset: on if ${CHECK_INVARIANTS_ENV}=1", default=None)
@@ -191,7 +202,14 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
+# Keys every method takes, and each method's own (vLLM's names where vLLM has the option).
+_SPEC_COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive", "disable_by_batch_size")
+_SPEC_METHOD_KEYS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+}
 
 
 def parse_speculative_config(value: dict | str | None) -> dict | None:
@@ -206,26 +224,84 @@ def parse_speculative_config(value: dict | str | None) -> dict | None:
             raise ValueError(f"speculative_config is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-    if unknown := sorted(set(value) - known):
-        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
     method = value.get("method")
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)}, "
                          f"got {method!r}")
-    config = {"method": method, "num_speculative_tokens": value.get("num_speculative_tokens"),
+    known = {*_SPEC_COMMON_KEYS, *_SPEC_METHOD_KEYS[method]}
+    if unknown := sorted(set(value) - known):
+        raise ValueError(f"speculative_config: unknown keys {unknown} for method {method!r}; "
+                         f"known: {sorted(known)}")
+    config = {"method": method, **_parse_control(value)}
+    config.update(_parse_ngram(value) if method == "ngram" else _parse_suffix(value))
+    return config
+
+
+def _positive_int(config: dict, key: str) -> None:
+    v = config[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"speculative_config: {key} must be a positive integer, got {v!r}")
+
+
+def _parse_control(value: dict) -> dict:
+    """adaptive (per-request proposal length from its acceptance; default on) and
+    disable_by_batch_size (no drafts in a step with this many decode rows; null: never)."""
+    config = {"adaptive": value.get("adaptive", True),
+              "disable_by_batch_size": value.get("disable_by_batch_size",
+                                                 DEFAULT_DISABLE_BY_BATCH_SIZE)}
+    if not isinstance(config["adaptive"], bool):
+        raise ValueError(f"speculative_config: adaptive must be true or false, "
+                         f"got {config['adaptive']!r}")
+    if config["disable_by_batch_size"] is not None:
+        _positive_int(config, "disable_by_batch_size")
+    return config
+
+
+def _parse_ngram(value: dict) -> dict:
+    config = {"num_speculative_tokens": value.get("num_speculative_tokens"),
               "prompt_lookup_min": value.get("prompt_lookup_min", 1),
               "prompt_lookup_max": value.get("prompt_lookup_max")}
     if config["prompt_lookup_max"] is None:
         config["prompt_lookup_max"] = max(4, config["prompt_lookup_min"])
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-        v = config[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"speculative_config: {key} must be a positive integer, got {v!r}")
+        _positive_int(config, key)
     if config["prompt_lookup_min"] > config["prompt_lookup_max"]:
         raise ValueError(f"speculative_config: prompt_lookup_min ({config['prompt_lookup_min']}) "
                          f"exceeds prompt_lookup_max ({config['prompt_lookup_max']})")
     return config
+
+
+def _parse_suffix(value: dict) -> dict:
+    """vLLM's defaults; num_speculative_tokens defaults to the tree depth, as there."""
+    depth = value.get("suffix_decoding_max_tree_depth", 24)
+    config = {"suffix_decoding_max_tree_depth": depth,
+              "num_speculative_tokens": value.get("num_speculative_tokens", depth),
+              "suffix_decoding_max_cached_requests":
+                  value.get("suffix_decoding_max_cached_requests", 10000),
+              "suffix_decoding_max_spec_factor": value.get("suffix_decoding_max_spec_factor", 1.0),
+              "suffix_decoding_min_token_prob": value.get("suffix_decoding_min_token_prob", 0.1)}
+    for key in ("suffix_decoding_max_tree_depth", "num_speculative_tokens"):
+        _positive_int(config, key)
+    if depth < 2:
+        raise ValueError("speculative_config: suffix_decoding_max_tree_depth must be >= 2 (a "
+                         f"matched token and one to propose), got {depth!r}")
+    cached = config["suffix_decoding_max_cached_requests"]
+    if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+        raise ValueError("speculative_config: suffix_decoding_max_cached_requests must be an "
+                         f"integer >= 0 (0: no global cache), got {cached!r}")
+    factor = config["suffix_decoding_max_spec_factor"]
+    if not _is_number(factor) or not factor > 0:
+        raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be a number "
+                         f"> 0, got {factor!r}")
+    prob = config["suffix_decoding_min_token_prob"]
+    if not _is_number(prob) or not 0 <= prob <= 1:
+        raise ValueError("speculative_config: suffix_decoding_min_token_prob must be a number "
+                         f"in [0, 1], got {prob!r}")
+    return config
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def env_flag(name: str) -> bool:

@@ -78,6 +78,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.spec_acceptance = 1.0   # recent accepted / proposed (spec_decode/control.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
