@@ -527,6 +527,7 @@ class LLMEngine:
             state.metrics.finished_time = time.time()
             state.metrics.num_preemptions = sum(s.seq.num_preemptions for s in state.samples)
             self.requests.pop(seq.request_id, None)
+        state.metrics.num_drafts = sum(s.seq.num_drafts for s in state.samples)
         state.metrics.num_draft_tokens = sum(s.seq.num_draft_tokens for s in state.samples)
         state.metrics.num_accepted_tokens = sum(s.seq.num_accepted_tokens for s in state.samples)
         if state.beam is not None:
@@ -580,6 +581,7 @@ class LLMEngine:
             num_blocks=bm.num_blocks, num_used_blocks=bm.num_blocks - bm.num_free_blocks,
             num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
             prefix_cache_hit_rate=bm.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_drafts=self.scheduler.num_drafts,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens)
 

@@ -104,7 +104,8 @@ class Scheduler:
         self.proposer = proposer
         # (None: every row that may speculate proposes num_speculative_tokens, every step)
         self.spec_control = spec_control or SpeculationControl(adaptive=False)
-        self.num_draft_tokens = 0      # speculative decoding, lifetime: drafts verified
+        self.num_drafts = 0            # speculative decoding, lifetime: rows verified,
+        self.num_draft_tokens = 0      # draft tokens verified
         self.num_accepted_tokens = 0   # and accepted
 
     def is_finished(self) -> bool:
@@ -348,8 +349,10 @@ class Scheduler:
                        num_accepted: int) -> None:
         """Count a verified row's drafts; the KV of the accepted ones is computed, the blocks
         holding only rejected ones are freed (a finished sequence freed all of its own)."""
+        self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
+        seq.num_drafts += 1
         seq.num_draft_tokens += num_proposed
         seq.num_accepted_tokens += num_accepted
         self.spec_control.record(seq, num_proposed, num_accepted)

@@ -249,8 +249,10 @@ def test_rejected_drafts_blocks_are_freed_and_accepted_blocks_cached():
 def test_metrics_endpoint_reports_draft_and_accepted_tokens():
     stats = EngineStats(num_running=0, num_waiting=0, num_blocks=8, num_used_blocks=0,
                         num_free_blocks=8, num_cached_free_blocks=0, prefix_cache_hit_rate=0.0,
-                        num_preemptions=0, num_draft_tokens=12, num_accepted_tokens=7)
+                        num_preemptions=0, num_drafts=4, num_draft_tokens=12,
+                        num_accepted_tokens=7)
     text = ServerMetrics().render(stats).decode()
+    assert "pagedllm_spec_decode_num_drafts 4.0" in text
     assert "pagedllm_spec_decode_num_draft_tokens 12.0" in text
     assert "pagedllm_spec_decode_num_accepted_tokens 7.0" in text
 
@@ -277,7 +279,7 @@ def test_a_stop_inside_accepted_drafts_drops_the_rest(params, stop, reason):
     s, seq = one_verified_step(params, stop, accept=4)
     assert seq.completion_token_ids == [7, 8, stop]
     assert (seq.finish_reason, seq.stop_reason) == reason
-    assert (s.num_draft_tokens, s.num_accepted_tokens) == (5, 4)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (1, 5, 4)
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
 
 
