@@ -15,10 +15,12 @@ from pagedllm.kernels import probes
 CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton", "flash")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Measured (docs/benchmarks.md, "Speculative decoding"; scripts/spec_decode_standdown.py):
-# on the bundled SmolLM2 (2 Zen 3 cores, fp32 activations, Q4_1 weights) a decode step of B
-# rows that each verify one rejected draft token costs ... more than the plain step from
-# B = ... rows on; from there a draft must be accepted more often than not to pay.
+# Measured (scripts/spec_decode_standdown.py; docs/benchmarks.md, "Speculative decoding"):
+# B random-token requests on the bundled SmolLM2 (Q4_1 weights, fp32 activations, 1 thread
+# of a shared Zen 3), every row verifying d drafts that are all rejected, against plain
+# decoding: d = 1 costs 1.24x at B = 1, 1.33x at 2, 1.37x at 4, 1.62x at 8, 1.38x at 16,
+# 1.74x at 32 (d = 4: 1.75x .. 3.58x). A 1-token draft pays only when it is accepted more
+# often than ratio - 1; from 8 rows on that was over half the time.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

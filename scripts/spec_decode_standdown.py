@@ -9,7 +9,7 @@ gained; speculation at B rows only pays when the accepted tokens per row-step ex
 ratio - 1. The engines alternate per round in one process; medians are reported.
 
 Usage: python scripts/spec_decode_standdown.py [--batch 1,2,4,8,16,32] [--drafts 1,4]
-       [--tokens 48] [--rounds 3] [--json out.json]
+       [--tokens 48] [--rounds 3] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -37,11 +37,12 @@ class AlwaysRejected(Proposer):
         return [[REJECTED_TOKEN] * min(self.num_speculative_tokens, k) for k in max_lens]
 
 
-def engine(drafts: int) -> LLM:
+def engine(drafts: int, threads: int | None) -> LLM:
+    options = dict(kv_cache_memory_bytes=1 << 30, num_threads=threads)
     if drafts == 0:
-        return LLM(kv_cache_memory_bytes=1 << 30)
-    llm = LLM(kv_cache_memory_bytes=1 << 30,
-              speculative_config={"method": "ngram", "num_speculative_tokens": drafts})
+        return LLM(**options)
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": drafts},
+              **options)
     # (a measurement harness: the engine's own proposer and control are swapped out)
     llm.engine.scheduler.proposer = AlwaysRejected(drafts)
     llm.engine.scheduler.spec_control = SpeculationControl(adaptive=False,
@@ -56,11 +57,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--tokens", type=int, default=48, help="output tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: the engine's; 1 on a shared, loaded machine)")
     ap.add_argument("--json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     drafts = [0] + [int(d) for d in args.drafts.split(",")]
-    engines = {d: engine(d) for d in drafts}
+    engines = {d: engine(d, args.threads) for d in drafts}
     rng = np.random.default_rng(0)
     rows = []
     print(f"{'rows':>5}" + "".join(f"{'d=' + str(d) + ' s':>10}" for d in drafts)

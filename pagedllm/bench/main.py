@@ -124,8 +124,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--spec-settings", type=_csv(wl.SPEC_SETTINGS),
                     default=list(wl.SPEC_SETTINGS),
                     help="speculation settings to compare, comma-separated (default: all)")
-    sp.add_argument("--spec-families", type=_csv(tuple(FAMILIES)), default=list(FAMILIES),
-                    help="chat workload families, comma-separated (default: all)")
+    sp.add_argument("--spec-families", type=_csv((*FAMILIES, "none")), default=list(FAMILIES),
+                    help="chat workload families, comma-separated (default: all; none: only "
+                         "W1 and W2)")
     sp.add_argument("--spec-streams", type=_csv_ints, default=[1, 8],
                     help="concurrent streams of each family, comma-separated (1: the first two "
                          "prompts one after the other; at most 8)")
@@ -147,6 +148,8 @@ def validate_args(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.spec_families == ["none"] and not args.spec_random_prompts:
+        raise ValueError("--spec-families none with --spec-random-prompts 0 leaves nothing to run")
     if args.spec_random_prompts < 0:
         raise ValueError(f"--spec-random-prompts must be >= 0, got {args.spec_random_prompts}")
     if max(args.spec_streams) > 8:
@@ -395,7 +398,8 @@ def run_spec(args: argparse.Namespace, argv: list[str], started: datetime) -> in
     from pagedllm.loader import default_model_path, load_model_source
     source = load_model_source(args.model or default_model_path())
     max_len = (args.output_len or (256, 256))[1]
-    cases = build_cases(source.tokenizer, args.spec_families, args.spec_streams, max_len,
+    families = [f for f in args.spec_families if f != "none"]
+    cases = build_cases(source.tokenizer, families, args.spec_streams, max_len,
                         args.spec_random_prompts, source.config.vocab_size)
     kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "speculative_config"}
     kwargs.update(dtype=resolve_dtypes(args.dtype)[0], num_threads=args.threads,
