@@ -12,6 +12,10 @@ count / all continuations' count) stays >= suffix_decoding_min_token_prob, for a
 suffix_decoding_max_spec_factor * match length tokens. The per-request and the global draft
 compete on their expected accepted length (the sum of the running probabilities); the
 drafts are linear and verified exactly like the n-gram proposer's point masses.
+
+Cost (pure Python, measured on a loaded 2-core Zen 3): a step's proposal ~45 us per row at
+3,000 tokens of context; a request's first proposal builds its trie over the prompt,
+O(prompt x D) nodes: ~0.7 s for 3,000 tokens, ~0.1 s for the bench's 400-token prompts.
 """
 from __future__ import annotations
 
