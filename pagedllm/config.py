@@ -15,6 +15,13 @@ from pagedllm.kernels import probes
 CHECK_INVARIANTS_ENV = "PAGEDLLM_CHECK_INVARIANTS"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu_paged", "triton", "flash")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Measured (scripts/spec_decode_standdown.py; docs/benchmarks.md, "Speculative decoding"):
+# B random-token requests on the bundled SmolLM2 (Q4_1 weights, fp32 activations, 1 thread
+# of a shared Zen 3), every row verifying d drafts that are all rejected, against plain
+# decoding: d = 1 costs 1.24x at B = 1, 1.33x at 2, 1.37x at 4, 1.62x at 8, 1.38x at 16,
+# 1.74x at 32 (d = 4: 1.75x .. 3.58x). A 1-token draft pays only when it is accepted more
+# often than ratio - 1; from 8 rows on that was over half the time.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 def _opt(help: str, **kw: Any) -> Any:
@@ -83,10 +90,15 @@ class EngineConfig:
         'speculative decoding, vLLM\'s shape as JSON: {"method": "ngram", '
         '"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4} proposes '
         "up to k tokens copied from where the last 1..4 tokens occurred before in the prompt or "
-        "output, verified exactly in one forward pass; " '{"model": "draft.gguf", '
-        '"num_speculative_tokens": k} proposes k tokens greedily with a smaller model sharing '
-        'the tokenizer; {"method": "self", "num_draft_layers": N, "num_speculative_tokens": k} '
-        "with the target's own first N layers (docs/serving.md) (default: off)", default=None)
+        'output; {"method": "suffix"} (keys suffix_decoding_max_tree_depth, '
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+        "suffix_decoding_min_token_prob) the most frequent continuation of the longest matching "
+        'suffix in the request and in recent outputs; {"model": "draft.gguf"} k tokens from a '
+        'smaller model sharing the tokenizer; {"method": "self", "num_draft_layers": N} from the '
+        "target's own first N layers (docs/serving.md). Drafts are verified exactly in one forward "
+        'pass; "adaptive": false keeps proposals at k tokens, "disable_by_batch_size": N (null: '
+        f"never) stops drafting in steps with N or more decode rows (default "
+        f"{DEFAULT_DISABLE_BY_BATCH_SIZE}). Default: off", default=None)
     check_invariants: bool | None = _opt(
         "verify KV block accounting before and after every step and stop the engine on a "
         f"violation; unset: on if ${CHECK_INVARIANTS_ENV}=1", default=None)
@@ -194,13 +206,22 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "self")
 DRAFT_METHODS = ("draft_model", "self")   # proposers that run a model (spec_decode/draft_model.py)
+# Keys every method takes, and each method's own (vLLM's names where vLLM has the option).
+_SPEC_COMMON_KEYS = ("method", "num_speculative_tokens", "adaptive", "disable_by_batch_size")
+_SPEC_METHOD_KEYS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+    "draft_model": ("model", "num_draft_blocks"),
+    "self": ("num_draft_layers", "num_draft_blocks"),
+}
 
 
 def parse_speculative_config(value: dict | str | None) -> dict | None:
     """The validated speculative_config with its defaults filled in (None: off). A string
-    is JSON (the CLI's form). As in vLLM, a "model" without a "method" means draft_model."""
+    is JSON (the CLI's form)."""
     if value is None or value == "":
         return None
     if isinstance(value, str):
@@ -214,53 +235,103 @@ def parse_speculative_config(value: dict | str | None) -> dict | None:
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config: method must be one of {list(SPECULATIVE_METHODS)}, "
                          f"got {method!r}")
-    if method in DRAFT_METHODS:
-        return _parse_draft_config(method, value)
-    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    known = {*_SPEC_COMMON_KEYS, *_SPEC_METHOD_KEYS[method]}
     if unknown := sorted(set(value) - known):
-        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
-    config = {"method": method, "num_speculative_tokens": value.get("num_speculative_tokens"),
+        raise ValueError(f"speculative_config: unknown keys {unknown} for method {method!r}; "
+                         f"known: {sorted(known)}")
+    config = {"method": method, **_parse_control(value)}
+    parse = {"ngram": _parse_ngram, "suffix": _parse_suffix}.get(method, _parse_draft)
+    config.update(parse(value))
+    return config
+
+
+def _positive_int(config: dict, key: str) -> None:
+    v = config[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"speculative_config: {key} must be a positive integer, got {v!r}")
+
+
+def _parse_control(value: dict) -> dict:
+    """adaptive (per-request proposal length from its acceptance; default on) and
+    disable_by_batch_size (no drafts in a step with this many decode rows; null: never)."""
+    config = {"adaptive": value.get("adaptive", True),
+              "disable_by_batch_size": value.get("disable_by_batch_size",
+                                                 DEFAULT_DISABLE_BY_BATCH_SIZE)}
+    if not isinstance(config["adaptive"], bool):
+        raise ValueError(f"speculative_config: adaptive must be true or false, "
+                         f"got {config['adaptive']!r}")
+    if config["disable_by_batch_size"] is not None:
+        _positive_int(config, "disable_by_batch_size")
+    return config
+
+
+def _parse_ngram(value: dict) -> dict:
+    config = {"num_speculative_tokens": value.get("num_speculative_tokens"),
               "prompt_lookup_min": value.get("prompt_lookup_min", 1),
               "prompt_lookup_max": value.get("prompt_lookup_max")}
     if config["prompt_lookup_max"] is None:
         config["prompt_lookup_max"] = max(4, config["prompt_lookup_min"])
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-        _check_positive_int(config, key)
+        _positive_int(config, key)
     if config["prompt_lookup_min"] > config["prompt_lookup_max"]:
         raise ValueError(f"speculative_config: prompt_lookup_min ({config['prompt_lookup_min']}) "
                          f"exceeds prompt_lookup_max ({config['prompt_lookup_max']})")
     return config
 
 
-def _parse_draft_config(method: str, value: dict) -> dict:
+def _parse_suffix(value: dict) -> dict:
+    """vLLM's defaults; num_speculative_tokens defaults to the tree depth, as there."""
+    depth = value.get("suffix_decoding_max_tree_depth", 24)
+    config = {"suffix_decoding_max_tree_depth": depth,
+              "num_speculative_tokens": value.get("num_speculative_tokens", depth),
+              "suffix_decoding_max_cached_requests":
+                  value.get("suffix_decoding_max_cached_requests", 10000),
+              "suffix_decoding_max_spec_factor": value.get("suffix_decoding_max_spec_factor", 1.0),
+              "suffix_decoding_min_token_prob": value.get("suffix_decoding_min_token_prob", 0.1)}
+    for key in ("suffix_decoding_max_tree_depth", "num_speculative_tokens"):
+        _positive_int(config, key)
+    if depth < 2:
+        raise ValueError("speculative_config: suffix_decoding_max_tree_depth must be >= 2 (a "
+                         f"matched token and one to propose), got {depth!r}")
+    cached = config["suffix_decoding_max_cached_requests"]
+    if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+        raise ValueError("speculative_config: suffix_decoding_max_cached_requests must be an "
+                         f"integer >= 0 (0: no global cache), got {cached!r}")
+    factor = config["suffix_decoding_max_spec_factor"]
+    if not _is_number(factor) or not factor > 0:
+        raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be a number "
+                         f"> 0, got {factor!r}")
+    prob = config["suffix_decoding_min_token_prob"]
+    if not _is_number(prob) or not 0 <= prob <= 1:
+        raise ValueError("speculative_config: suffix_decoding_min_token_prob must be a number "
+                         f"in [0, 1], got {prob!r}")
+    return config
+
+
+def _parse_draft(value: dict) -> dict:
     """draft_model: {"model": GGUF file or HF directory sharing the target's tokenizer};
     self: {"num_draft_layers": N}, the target's first N layers + its final norm and LM head
     (N < the target's layers, checked when the model is loaded). Both take
     num_speculative_tokens and num_draft_blocks, the draft's own KV pool in blocks of
     block_size tokens (default: as many as the target's pool, so the draft can hold every
     token the target holds)."""
+    method = value.get("method", "draft_model")
     needed = "model" if method == "draft_model" else "num_draft_layers"
-    known = {"method", "num_speculative_tokens", "num_draft_blocks", needed}
-    if unknown := sorted(set(value) - known):
-        raise ValueError(f"speculative_config: unknown keys {unknown} for method {method!r}; "
-                         f"known: {sorted(known)}")
-    config = {"method": method, "num_speculative_tokens": value.get("num_speculative_tokens"),
+    config = {"num_speculative_tokens": value.get("num_speculative_tokens"),
               needed: value.get(needed), "num_draft_blocks": value.get("num_draft_blocks")}
-    _check_positive_int(config, "num_speculative_tokens")
+    _positive_int(config, "num_speculative_tokens")
     if config["num_draft_blocks"] is not None:
-        _check_positive_int(config, "num_draft_blocks")
+        _positive_int(config, "num_draft_blocks")
     if method == "self":
-        _check_positive_int(config, "num_draft_layers")
+        _positive_int(config, "num_draft_layers")
     elif not isinstance(config["model"], str) or not config["model"]:
         raise ValueError("speculative_config: method draft_model needs \"model\", the path of "
                          f"a GGUF file or HF directory, got {config['model']!r}")
     return config
 
 
-def _check_positive_int(config: dict, key: str) -> None:
-    v = config[key]
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"speculative_config: {key} must be a positive integer, got {v!r}")
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def env_flag(name: str) -> bool:

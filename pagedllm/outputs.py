@@ -32,9 +32,22 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    # speculative decoding: draft tokens verified for the request and how many were accepted
+    # speculative decoding: drafts (steps that verified draft tokens), draft tokens verified
+    # for the request and how many were accepted
+    num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens (None without drafts)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verifying step appends on average: 1 + accepted / drafts (vLLM's mean
+        acceptance length; None without drafts)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -3,6 +3,7 @@
     pagedllm bench throughput --dtype float32,bfloat16 --compare hf
     pagedllm bench all --compare hf,llamacpp --llama-server /path/to/llama-server
     pagedllm bench serve --base-url http://127.0.0.1:8000 --request-rate 4
+    pagedllm bench spec --spec-settings off,ngram,suffix --spec-streams 1,8
 
 One run measures the machine (matmul peak, memory bandwidth), then every engine on the
 same token ids, and reports each engine's fraction of the workload's roofline.
@@ -22,15 +23,16 @@ from tqdm.auto import tqdm
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.hardware import MachineMeasurement, machine_info, measure_machine
 from pagedllm.bench.llamacpp_runner import default_llama_bench, default_llama_server
-from pagedllm.bench.report import (format_bounds, format_machine, format_serving, format_table,
-                                   write_chart, write_json)
+from pagedllm.bench.report import (format_bounds, format_machine, format_serving,
+                                   format_spec_table, format_table, write_chart, write_json)
 from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
 from pagedllm.bench.roofline import (ModelCost, decode_step_roofline_seconds, model_cost,
                                      prefill_roofline_seconds, workload_roofline)
 from pagedllm.bench.serve import run_serve
+from pagedllm.bench.spec_prompts import FAMILIES
 from pagedllm.config import EngineConfig
 
-WORKLOADS = ("throughput", "latency", "prefix", "serve", "all")
+WORKLOADS = ("throughput", "latency", "prefix", "serve", "spec", "all")
 PEERS = ("hf", "llamacpp", "llamabench")
 DTYPES = ("float32", "bfloat16")
 # Set by the bench itself, so not taken from the engine flags.
@@ -74,7 +76,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
     EngineConfig.add_cli_args(p.add_argument_group("engine (pagedllm)"))
     p.add_argument("workload", choices=WORKLOADS,
-                   help="throughput (W1), latency (W2), prefix (W3), serve (HTTP), all (W1+W2+W3)")
+                   help="throughput (W1), latency (W2), prefix (W3), serve (HTTP), spec "
+                        "(speculative decoding: chat tasks that repeat their input, then W1 "
+                        "and W2, speculation off / ngram / suffix), all (W1+W2+W3)")
     g = p.add_argument_group("workload")
     g.add_argument("--shape", choices=["w1", "nanovllm"], default="w1",
                    help="throughput shape: W1 (32-512 in, 32-256 out) or nano-vllm's (100-1024 both)")
@@ -116,6 +120,22 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--served-model-name", default=None, help="model name (default: GET /v1/models)")
     s.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
                    help="send token ids (exact lengths) or their detokenized text")
+    sp = p.add_argument_group("spec (speculative decoding)")
+    sp.add_argument("--spec-settings", type=_csv(wl.SPEC_SETTINGS),
+                    default=list(wl.SPEC_SETTINGS),
+                    help="speculation settings to compare, comma-separated (default: all)")
+    sp.add_argument("--spec-families", type=_csv((*FAMILIES, "none")), default=list(FAMILIES),
+                    help="chat workload families, comma-separated (default: all; none: only "
+                         "W1 and W2)")
+    sp.add_argument("--spec-streams", type=_csv_ints, default=[1, 8],
+                    help="concurrent streams of each family, comma-separated (1: the first two "
+                         "prompts one after the other; at most 8)")
+    sp.add_argument("--spec-k", type=int, default=8,
+                    help="num_speculative_tokens of the ngram and suffix settings")
+    sp.add_argument("--spec-rounds", type=int, default=1,
+                    help="timed passes per setting, alternating settings (median kept)")
+    sp.add_argument("--spec-random-prompts", type=int, default=16,
+                    help="requests of the W1 run after the chat families (0: skip W1 and W2)")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", default=None,
                    help="JSON results (default: bench_results/<workload>-<UTC time>.json)")
@@ -124,10 +144,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "latency_iters", "threads", "llama_parallel", "prefix_len",
-                 "max_concurrency"):
+                 "max_concurrency", "spec_k", "spec_rounds"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.spec_families == ["none"] and not args.spec_random_prompts:
+        raise ValueError("--spec-families none with --spec-random-prompts 0 leaves nothing to run")
+    if args.spec_random_prompts < 0:
+        raise ValueError(f"--spec-random-prompts must be >= 0, got {args.spec_random_prompts}")
+    if max(args.spec_streams) > 8:
+        raise ValueError(f"--spec-streams: each family has 8 prompts, got {args.spec_streams}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     llama = {"llamacpp", "llamabench"} & set(args.compare)
@@ -365,9 +391,55 @@ def default_output_path(workload: str, started: datetime) -> str:
     return os.path.join("bench_results", f"{workload}-{started.strftime('%Y%m%d-%H%M%S')}.json")
 
 
+def run_spec(args: argparse.Namespace, argv: list[str], started: datetime) -> int:
+    """`bench spec`: the chat families and W1 / W2 under each speculation setting."""
+    from pagedllm.bench.spec import SpecBench, build_cases
+    from pagedllm.bench.pagedllm_runner import pagedllm_version
+    from pagedllm.loader import default_model_path, load_model_source
+    source = load_model_source(args.model or default_model_path())
+    max_len = (args.output_len or (256, 256))[1]
+    families = [f for f in args.spec_families if f != "none"]
+    cases = build_cases(source.tokenizer, families, args.spec_streams, max_len,
+                        args.spec_random_prompts, source.config.vocab_size)
+    kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "speculative_config"}
+    kwargs.update(dtype=resolve_dtypes(args.dtype)[0], num_threads=args.threads,
+                  enable_prefix_caching=False)
+    if kwargs.get("kv_cache_memory_bytes") is None:
+        kwargs["kv_cache_memory_bytes"] = 1 << 30   # three engines may be alive at once
+    bench = SpecBench(args.model, kwargs, args.spec_settings, args.spec_k, args.spec_rounds)
+    try:
+        rows = bench.run(cases)
+    finally:
+        bench.close()
+    info = machine_info()
+    info["load_average_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    doc = {"schema": SCHEMA, "started": started.isoformat(timespec="seconds"),
+           "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "command": ["pagedllm", "bench", *argv], "machine": info,
+           "versions": {"pagedllm": pagedllm_version()},
+           "model": {"name": source.config.name or source.config.architecture,
+                     "path": args.model or default_model_path()},
+           "engine": {k: v for k, v in kwargs.items() if v is not None},
+           "spec": {"settings": args.spec_settings, "num_speculative_tokens": args.spec_k,
+                    "rounds": args.spec_rounds},
+           "workloads": [{**c.workload.summary(), "streams": c.streams} for c in cases],
+           "results": [r.to_dict() for r in rows]}
+    json_path = args.output_json or default_output_path("spec", started)
+    write_json(doc, json_path)
+    print(format_spec_table(rows))
+    print(f"results: {json_path}")
+    differ = [r for r in rows if r.same_tokens_as_off is False]
+    for r in differ:
+        print(f"pagedllm bench: error: {r.speculation} changed the greedy tokens of "
+              f"{r.workload} x{r.streams}", file=sys.stderr)
+    return 1 if differ else 0
+
+
 def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     validate_args(args)
     started = datetime.now(timezone.utc)
+    if args.workload == "spec":
+        return run_spec(args, argv, started)
     bench = Bench(args)
     if args.workload == "serve":
         result, notes = run_serve(args, bench.workloads[0], bench.tokenizer)

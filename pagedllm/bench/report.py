@@ -5,7 +5,7 @@ import json
 import os
 from typing import Any
 
-from pagedllm.bench.results import BenchResult
+from pagedllm.bench.results import BenchResult, SpecRow
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -52,6 +52,26 @@ def format_table(results: list[BenchResult]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def format_spec_table(rows: list[SpecRow]) -> str:
+    """`bench spec`: tok/s, speedup over speculation off, acceptance, and whether the greedy
+    tokens equal those without speculation."""
+    header = ["workload", "streams", "speculation", "out tokens", "seconds", "tok/s", "speedup",
+              "accepted", "mean acc. len", "same tokens"]
+    body = []
+    for r in rows:
+        body.append([r.workload, str(r.streams), r.speculation, str(r.output_tokens),
+                     f"{r.seconds:.2f}", f"{r.tok_s:.1f}",
+                     _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _pct(r.acceptance_rate),
+                     _fmt(r.mean_acceptance_length, ".2f"),
+                     {None: "-", True: "yes", False: "NO"}[r.same_tokens_as_off]])
+    widths = [max(len(h), *(len(b[c]) for b in body)) if body else len(h)
+              for c, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
     return "\n".join(lines)
 
 

@@ -80,6 +80,31 @@ class BenchResult:
         return f"{self.engine} {self.dtype}" + (f" ({extra})" if extra else "")
 
 
+@dataclass
+class SpecRow:
+    """One row of `bench spec`: a workload at a number of streams under one speculation
+    setting (median seconds over the rounds; draft counts of the last round)."""
+
+    workload: str
+    streams: int
+    speculation: str
+    seconds: float
+    runs_s: list[float]
+    output_tokens: int
+    tok_s: float
+    speedup: float | None = None            # vs speculation off, same workload and streams
+    same_tokens_as_off: bool | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    per_request: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def throughput_result(workload: Workload, run: ThroughputRun, runner: Runner) -> BenchResult:
     requested = [r.output_len for r in workload.requests]
     out = sum(run.output_lens)

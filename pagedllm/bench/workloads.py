@@ -8,8 +8,11 @@ meaningless, the cost is not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+from pagedllm.bench.spec_prompts import FAMILIES
 
 # W1 draws token ids from this range: clear of the special and byte tokens of small vocabularies.
 TOKEN_ID_RANGE = (1000, 40000)
@@ -131,6 +134,28 @@ def prefix_w3(num_prompts: int = 32, prefix_len: int = 1024, suffix_len: int = 3
     desc = (f"{num_prompts} requests, shared {prefix_len}-token prefix + {suffix_len}-token "
             f"suffix, output {output_len} tokens")
     return Workload("prefix", desc, requests, params)
+
+
+# The speculation settings `bench spec` compares (bench/spec.py: speculative_config).
+SPEC_SETTINGS = ("off", "ngram", "suffix")
+
+
+def spec_workload(family: str, tokenizer: Any, max_output_len: int = 256) -> Workload:
+    """A family of fixed chat prompts (bench/spec_prompts.py: code-edit, summarize-extract,
+    multi-turn, agent) through the model's chat template. Unlike the random workloads the
+    answers end at EOS: output_len is a cap, and the same greedy tokens come out of every
+    speculation setting, so tokens/s still compare."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown speculative-decoding family {family!r}; "
+                         f"known: {', '.join(FAMILIES)}")
+    if max_output_len < 1:
+        raise ValueError(f"max_output_len must be >= 1, got {max_output_len}")
+    requests = [BenchRequest(tokenizer.encode(tokenizer.apply_chat_template(conversation),
+                                              add_special_tokens=False), max_output_len)
+                for conversation in FAMILIES[family]()]
+    params = {"family": family, "max_output_len": max_output_len, "ignore_eos": False}
+    desc = f"{len(requests)} chat prompts ({family}), answers up to {max_output_len} tokens"
+    return Workload(family, desc, requests, params)
 
 
 def warmup_workload(seed: int = 12345, id_range: tuple[int, int] = TOKEN_ID_RANGE) -> Workload:

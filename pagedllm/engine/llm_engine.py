@@ -17,9 +17,11 @@ from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode.control import SpeculationControl
 from pagedllm.engine.spec_decode.draft_model import build_draft_proposer
 from pagedllm.engine.spec_decode.ngram import NgramProposer
 from pagedllm.engine.spec_decode.proposer import Proposer
+from pagedllm.engine.spec_decode.suffix import SuffixProposer
 from pagedllm.engine.stats import EngineStats, KVCacheSnapshot, KVMemoryStats, StepStats
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
@@ -151,7 +153,7 @@ class LLMEngine:
             num_swap_blocks=self.model_runner.num_swap_blocks,
             sliding_window=(source.config.sliding_window if source.config.all_layers_sliding
                             else None),
-            proposer=proposer)
+            proposer=proposer, spec_control=_spec_control(spec))
         self.grammars = GrammarCompiler(self.tokenizer, source.config.vocab_size,
                                         self.eos_token_ids[0] if self.eos_token_ids else None)
         self.requests: dict[str, _RequestState] = {}
@@ -541,6 +543,7 @@ class LLMEngine:
             state.metrics.finished_time = time.time()
             state.metrics.num_preemptions = sum(s.seq.num_preemptions for s in state.samples)
             self.requests.pop(seq.request_id, None)
+        state.metrics.num_drafts = sum(s.seq.num_drafts for s in state.samples)
         state.metrics.num_draft_tokens = sum(s.seq.num_draft_tokens for s in state.samples)
         state.metrics.num_accepted_tokens = sum(s.seq.num_accepted_tokens for s in state.samples)
         if state.beam is not None:
@@ -594,6 +597,7 @@ class LLMEngine:
             num_blocks=bm.num_blocks, num_used_blocks=bm.num_blocks - bm.num_free_blocks,
             num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
             prefix_cache_hit_rate=bm.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_drafts=self.scheduler.num_drafts,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens)
 
@@ -634,9 +638,21 @@ def _embedding(seq: Sequence) -> list[float] | None:
 def _proposer(speculative_config: dict | None) -> Proposer | None:
     if speculative_config is None:
         return None
-    return NgramProposer(speculative_config["num_speculative_tokens"],
-                         speculative_config["prompt_lookup_min"],
-                         speculative_config["prompt_lookup_max"])
+    c = speculative_config
+    if c["method"] == "suffix":
+        return SuffixProposer(c["num_speculative_tokens"], c["suffix_decoding_max_tree_depth"],
+                              c["suffix_decoding_max_cached_requests"],
+                              c["suffix_decoding_max_spec_factor"],
+                              c["suffix_decoding_min_token_prob"])
+    return NgramProposer(c["num_speculative_tokens"], c["prompt_lookup_min"],
+                         c["prompt_lookup_max"])
+
+
+def _spec_control(speculative_config: dict | None) -> SpeculationControl | None:
+    if speculative_config is None:
+        return None
+    return SpeculationControl(speculative_config["adaptive"],
+                              speculative_config["disable_by_batch_size"])
 
 
 def _per_sample_params(sp: SamplingParams) -> list[SamplingParams]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.engine.block_manager import FREED_BLOCK, BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode.control import SpeculationControl
 from pagedllm.engine.spec_decode.proposer import Proposer
 from pagedllm.engine.swap import SwapPool
 from pagedllm.utils import cdiv
@@ -83,7 +84,8 @@ class Scheduler:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", num_swap_blocks: int = 0,
                  sliding_window: int | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None,
+                 spec_control: SpeculationControl | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -100,7 +102,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.proposer = proposer
-        self.num_draft_tokens = 0      # speculative decoding, lifetime: drafts verified
+        # (None: every row that may speculate proposes num_speculative_tokens, every step)
+        self.spec_control = spec_control or SpeculationControl(adaptive=False)
+        self.num_drafts = 0            # speculative decoding, lifetime: rows verified,
+        self.num_draft_tokens = 0      # draft tokens verified
         self.num_accepted_tokens = 0   # and accepted
 
     def is_finished(self) -> bool:
@@ -196,14 +201,21 @@ class Scheduler:
     def _propose(self, budget: int) -> dict[int, list[int]]:
         """Draft tokens for the running decode rows that may speculate, by id(seq): as many
         as the proposer finds and the request can still append after its next token
-        (max_tokens, max_model_len); the caller trims them to the budget it has left."""
+        (max_tokens, max_model_len) and its recent acceptance allow; the caller trims them
+        to the budget it has left. None at all when the step has so many decode rows that
+        verifying drafts would cost more than it saves (SpeculationControl)."""
         if self.proposer is None:
             return {}
+        control, k = self.spec_control, self.proposer.num_speculative_tokens
+        decodes = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        if control.stands_down(len(decodes)):
+            return {}
         seqs, max_lens = [], []
-        for seq in self.running:
-            if seq.num_uncomputed_tokens != 1 or not _can_speculate(seq):
+        for seq in decodes:
+            if not _can_speculate(seq):
                 continue
-            room = min(budget, self.max_model_len - len(seq)) - 1
+            room = min(budget - 1, self.max_model_len - len(seq) - 1,
+                       control.proposal_len(seq, k))
             sp = seq.sampling_params
             if sp.max_tokens is not None:
                 room = min(room, sp.max_tokens - seq.num_completion_tokens - 1)
@@ -337,10 +349,13 @@ class Scheduler:
                        num_accepted: int) -> None:
         """Count a verified row's drafts; the KV of the accepted ones is computed, the blocks
         holding only rejected ones are freed (a finished sequence freed all of its own)."""
+        self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
+        seq.num_drafts += 1
         seq.num_draft_tokens += num_proposed
         seq.num_accepted_tokens += num_accepted
+        self.spec_control.record(seq, num_proposed, num_accepted)
         seq.spec_token_ids = []
         if not seq.is_finished:
             seq.num_computed_tokens += num_accepted

@@ -74,10 +74,13 @@ class Sequence:
         self.num_pooled_tokens = 0
         # Speculative decoding: draft tokens this step verifies after the last token (their
         # KV slots are allocated; they are not tokens of the sequence until accepted), and
-        # how many drafts were proposed and accepted over its life.
+        # how many drafts (verified rows) and draft tokens were proposed and accepted over
+        # its life.
         self.spec_token_ids: list[int] = []
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.spec_acceptance = 1.0   # recent accepted / proposed (spec_decode/control.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -68,7 +68,8 @@ class EngineStats:
     num_cached_free_blocks: int
     prefix_cache_hit_rate: float
     num_preemptions: int
-    num_draft_tokens: int = 0      # speculative decoding, lifetime: drafts verified
+    num_drafts: int = 0            # speculative decoding, lifetime: rows that verified drafts,
+    num_draft_tokens: int = 0      # draft tokens verified
     num_accepted_tokens: int = 0   # and accepted
 
 

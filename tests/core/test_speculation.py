@@ -10,9 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pagedllm.config import EngineConfig, parse_speculative_config
+from pagedllm.config import DEFAULT_DISABLE_BY_BATCH_SIZE, EngineConfig, parse_speculative_config
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.spec_decode.control import SpeculationControl
 from pagedllm.engine.spec_decode.ngram import NgramProposer, propose_ngram
 from pagedllm.engine.spec_decode.rejection_sampler import verify_greedy, verify_sampled
 from pagedllm.engine.stats import EngineStats
@@ -117,7 +118,17 @@ def test_sampled_verification_is_reproducible_with_a_seeded_generator():
 def test_speculative_config_parses_json_and_fills_defaults():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
     assert cfg == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                   "prompt_lookup_max": 4}
+                   "prompt_lookup_max": 4, "adaptive": True,
+                   "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
+    assert parse_speculative_config({"method": "suffix"}) == {
+        "method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 24,
+        "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.1, "adaptive": True,
+        "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
+    cfg = parse_speculative_config('{"method": "suffix", "num_speculative_tokens": 6, '
+                                   '"adaptive": false, "disable_by_batch_size": null}')
+    assert (cfg["num_speculative_tokens"], cfg["adaptive"], cfg["disable_by_batch_size"]) == (
+        6, False, None)
     assert EngineConfig(speculative_config=None).speculative_config is None
     assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_max": 2}).speculative_config[
@@ -133,6 +144,15 @@ def test_speculative_config_parses_json_and_fills_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
       "prompt_lookup_max": 2}, "exceeds prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 8},
+     "unknown keys"),
+    ({"method": "suffix", "prompt_lookup_max": 3}, "unknown keys"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "must be >= 2"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "integer >= 0"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "number > 0"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, r"in \[0, 1\]"),
+    ({"method": "suffix", "adaptive": "yes"}, "adaptive must be true or false"),
+    ({"method": "suffix", "disable_by_batch_size": 0}, "disable_by_batch_size must be a positive"),
 ])
 def test_speculative_config_rejects_bad_values_clearly(value, message):
     with pytest.raises(ValueError, match=message):
@@ -229,8 +249,10 @@ def test_rejected_drafts_blocks_are_freed_and_accepted_blocks_cached():
 def test_metrics_endpoint_reports_draft_and_accepted_tokens():
     stats = EngineStats(num_running=0, num_waiting=0, num_blocks=8, num_used_blocks=0,
                         num_free_blocks=8, num_cached_free_blocks=0, prefix_cache_hit_rate=0.0,
-                        num_preemptions=0, num_draft_tokens=12, num_accepted_tokens=7)
+                        num_preemptions=0, num_drafts=4, num_draft_tokens=12,
+                        num_accepted_tokens=7)
     text = ServerMetrics().render(stats).decode()
+    assert "pagedllm_spec_decode_num_drafts 4.0" in text
     assert "pagedllm_spec_decode_num_draft_tokens 12.0" in text
     assert "pagedllm_spec_decode_num_accepted_tokens 7.0" in text
 
@@ -257,7 +279,7 @@ def test_a_stop_inside_accepted_drafts_drops_the_rest(params, stop, reason):
     s, seq = one_verified_step(params, stop, accept=4)
     assert seq.completion_token_ids == [7, 8, stop]
     assert (seq.finish_reason, seq.stop_reason) == reason
-    assert (s.num_draft_tokens, s.num_accepted_tokens) == (5, 4)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (1, 5, 4)
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
 
 
@@ -265,3 +287,58 @@ def test_drafts_never_run_past_max_tokens():
     s, seq = one_verified_step(SamplingParams(max_tokens=3), 9, accept=1)
     assert s.num_draft_tokens == 1     # 1 token so far; 1 draft + the target's = 3
     assert seq.completion_token_ids == [7, 8, 4] and seq.finish_reason == "length"
+
+
+# ---- adaptive proposal length and stand-down --------------------------------------------
+
+
+class FixedProposer(NgramProposer):
+    """Proposes max_lens[i] copies of token 1 for every row (records what it was asked)."""
+
+    def propose(self, seqs, max_lens):
+        self.asked = list(max_lens)
+        return [[1] * k for k in max_lens]
+
+
+def speculating_scheduler(control: SpeculationControl, k: int = 4,
+                          num_seqs: int = 1) -> tuple[Scheduler, list[Sequence], FixedProposer]:
+    proposer = FixedProposer(k, 1, 1)
+    s = Scheduler(num_blocks=64, block_size=BS, max_num_seqs=8, max_num_batched_tokens=64,
+                  max_model_len=256, eos_token_ids=[EOS], proposer=proposer,
+                  spec_control=control)
+    seqs = [Sequence([5, 6, 7], SamplingParams(max_tokens=100), BS) for _ in range(num_seqs)]
+    for seq in seqs:
+        s.add(seq)
+    s.postprocess(s.schedule(), [7] * num_seqs)   # the prompts
+    return s, seqs, proposer
+
+
+def test_adaptive_proposals_shrink_on_rejection_to_one_and_grow_back_on_acceptance():
+    s, (seq,), proposer = speculating_scheduler(SpeculationControl(adaptive=True))
+    lens = []
+    for accept_all in [False] * 6 + [True] * 4:
+        batch = s.schedule()
+        lens.append(len(seq.spec_token_ids))
+        s.postprocess(batch, [9], [seq.spec_token_ids if accept_all else []])
+        s.check_invariants()
+    # average 1, .5, .25, ... 1/64 (rejections), then halfway to 1 each step: ceil(4 * it)
+    assert lens == [4, 2, 1, 1, 1, 1, 1, 3, 4, 4]
+    assert seq.spec_acceptance == pytest.approx(1 - (1 - 1 / 64) / 16)
+
+
+def test_without_adaptivity_every_proposal_has_num_speculative_tokens():
+    s, (seq,), _ = speculating_scheduler(SpeculationControl(adaptive=False))
+    for _ in range(4):
+        batch = s.schedule()
+        assert len(seq.spec_token_ids) == 4
+        s.postprocess(batch, [9], [[]])
+
+
+@pytest.mark.parametrize("threshold, num_seqs, drafts", [
+    (None, 6, True), (7, 6, True), (6, 6, False), (1, 1, False)])
+def test_no_drafts_in_steps_with_disable_by_batch_size_decode_rows(threshold, num_seqs, drafts):
+    control = SpeculationControl(adaptive=False, disable_by_batch_size=threshold)
+    s, seqs, _ = speculating_scheduler(control, num_seqs=num_seqs)
+    batch = s.schedule()
+    assert all(bool(seq.spec_token_ids) == drafts for seq in seqs)
+    assert batch.num_tokens == num_seqs * (5 if drafts else 1)

@@ -260,11 +260,11 @@ def test_draft_speculative_configs_parse():
     from pagedllm.config import parse_speculative_config
     assert parse_speculative_config({"model": "d.gguf", "num_speculative_tokens": 3}) == {
         "method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 3,
-        "num_draft_blocks": None}
+        "num_draft_blocks": None, "adaptive": True, "disable_by_batch_size": 8}
     assert parse_speculative_config('{"method": "self", "num_draft_layers": 4, '
                                     '"num_speculative_tokens": 2, "num_draft_blocks": 9}') == {
         "method": "self", "num_draft_layers": 4, "num_speculative_tokens": 2,
-        "num_draft_blocks": 9}
+        "num_draft_blocks": 9, "adaptive": True, "disable_by_batch_size": 8}
     for value, message in [
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
         ({"method": "self", "num_speculative_tokens": 2}, "num_draft_layers must be"),

@@ -1,7 +1,7 @@
-"""Speculative decoding (n-gram proposals) in the engine: greedy outputs equal plain
-decoding token for token (fp32, bundled model) under prefix caching, chunked prefill,
+"""Speculative decoding (n-gram and suffix proposals) in the engine: greedy outputs equal
+plain decoding token for token (fp32, bundled model) under prefix caching, chunked prefill,
 preemption, mixed batches and n > 1; stops land where they would without speculation;
-seeded sampling is reproducible."""
+seeded sampling is reproducible; suffix decoding learns from finished requests."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,8 @@ import json
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
+SPECS = {"ngram": NGRAM, "suffix": SUFFIX}
 BLOCK_BYTES = 16 * 2 * 30 * 3 * 64 * 4   # one 16-token block of SmolLM2's fp32 KV
 CODE = (
     "def merge_sort(values):\n    if len(values) <= 1:\n        return values\n"
@@ -28,24 +30,26 @@ PROMPTS = [
     "Quantum tunnelling lets particles cross barriers that classical physics forbids, so",
 ]
 NEW_TOKENS = 24
+FP32 = dict(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
 
 
 @functools.cache
-def engine(speculative: bool, **kw) -> LLM:
-    """One LLM per configuration for the module (loading costs seconds)."""
+def engine(method: str | None, **kw) -> LLM:
+    """One LLM per configuration for the module (loading costs seconds); method None: no
+    speculation."""
     options = dict(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512,
                    check_invariants=True)
     options.update(kw)
-    return LLM(speculative_config=NGRAM if speculative else None, **options)
+    return LLM(speculative_config=SPECS[method] if method else None, **options)
 
 
 def greedy(max_tokens: int = NEW_TOKENS, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def generate_both(params, prompts=PROMPTS, **kw):
-    plain = engine(False, **kw).generate(prompts, params, use_tqdm=False)
-    spec = engine(True, **kw).generate(prompts, params, use_tqdm=False)
+def generate_both(params, prompts=PROMPTS, method="ngram", **kw):
+    plain = engine(None, **kw).generate(prompts, params, use_tqdm=False)
+    spec = engine(method, **kw).generate(prompts, params, use_tqdm=False)
     return plain, spec
 
 
@@ -68,15 +72,16 @@ def assert_all_blocks_free(llm: LLM) -> None:
     {"max_num_batched_tokens": 40},          # chunked prompts, drafts cut to the budget
     {"kv_cache_memory_bytes": 14 * BLOCK_BYTES, "max_num_batched_tokens": 64},  # preempts
 ], ids=["default", "no-prefix-caching", "chunked", "preempting"])
-def test_greedy_speculation_equals_plain_decoding(kw):
-    plain, spec = generate_both(greedy(), **kw)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_speculation_equals_plain_decoding(kw, method):
+    plain, spec = generate_both(greedy(), method=method, **kw)
     assert_same_completions(plain, spec)
     drafted = sum(o.metrics.num_draft_tokens for o in spec)
     accepted = sum(o.metrics.num_accepted_tokens for o in spec)
     assert 0 < accepted <= drafted
     assert spec[0].metrics.num_accepted_tokens > 0        # the rewrite prompt repeats its input
     assert all(o.metrics.num_draft_tokens == 0 for o in plain)
-    llm = engine(True, **kw)
+    llm = engine(method, **kw)
     stats = llm.engine.stats()
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
     if "kv_cache_memory_bytes" in kw:
@@ -84,11 +89,13 @@ def test_greedy_speculation_equals_plain_decoding(kw):
     assert_all_blocks_free(llm)
 
 
-def test_mixed_batch_of_speculating_and_plain_rows_and_n_greater_than_one():
-    """Rows with a penalty or logprobs speculate beside plain ones; both greedy samples of an
-    n = 2 request speculate on their own; a beam-search-free batch of them equals plain."""
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_mixed_batch_of_speculating_and_plain_rows_and_n_greater_than_one(method):
+    """Rows with a penalty or logprobs speculate beside plain ones (their controls replayed at
+    every position); both greedy samples of an n = 2 request speculate on their own."""
     params = [greedy(), greedy(presence_penalty=0.5), greedy(logprobs=2), greedy(n=2)]
-    plain, spec = generate_both(params, [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]])
+    plain, spec = generate_both(params, [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]],
+                                method)
     assert_same_completions(plain, spec)
     assert_same_logprobs(plain[2], spec[2])
     assert spec[0].metrics.num_accepted_tokens > 0 and spec[3].metrics.num_accepted_tokens > 0
@@ -134,15 +141,15 @@ def test_speculation_replays_token_controls_at_every_verified_position(controls)
             assert_same_logprobs(a, b)
     # accepted drafts: positions past the first were replayed and checked
     assert sum(o.metrics.num_accepted_tokens for o in spec) > 0, "no draft was accepted"
-    assert_all_blocks_free(engine(True))
+    assert_all_blocks_free(engine("ngram"))
 
 
 def test_bad_words_are_banned_inside_accepted_drafts():
     """A bad word that plain decoding would have produced, made of two tokens: the verified
     position after its first token bans the second, as plain decoding's step does."""
-    base = engine(False).generate(PROMPTS[:1], greedy(), use_tqdm=False)[0].outputs[0]
+    base = engine(None).generate(PROMPTS[:1], greedy(), use_tqdm=False)[0].outputs[0]
     tokens = base.token_ids
-    word = engine(False).get_tokenizer().decode(tokens[10:12])
+    word = engine(None).get_tokenizer().decode(tokens[10:12])
     params = greedy(bad_words=[word])
     plain, spec = generate_both(params, PROMPTS[:1])
     assert_same_completions(plain, spec)
@@ -180,11 +187,11 @@ def test_grammar_rows_speculate_and_equal_plain_decoding(constraint):
         if b.outputs[0].finish_reason == "stop" and "json" in constraint:
             assert len(json.loads(b.outputs[0].text)["people"]) == 2
     assert spec[0].metrics.num_accepted_tokens > 0   # the records are copied from the prompt
-    assert_all_blocks_free(engine(True))
+    assert_all_blocks_free(engine("ngram"))
 
 
 def test_stop_strings_drop_the_logprobs_of_the_tokens_they_cut():
-    base = engine(False).generate(PROMPTS[:1], greedy(40), use_tqdm=False)[0].outputs[0]
+    base = engine(None).generate(PROMPTS[:1], greedy(40), use_tqdm=False)[0].outputs[0]
     stop = base.text[len(base.text) // 2:len(base.text) // 2 + 5]
     plain, spec = generate_both(greedy(40, stop=[stop], logprobs=0), PROMPTS[:1])
     assert_same_completions(plain, spec)
@@ -194,7 +201,7 @@ def test_stop_strings_drop_the_logprobs_of_the_tokens_they_cut():
 
 def test_stops_inside_an_accepted_run_land_where_plain_decoding_puts_them():
     prompt = PROMPTS[:1]
-    base = engine(False).generate(prompt, greedy(40), use_tqdm=False)[0].outputs[0]
+    base = engine(None).generate(prompt, greedy(40), use_tqdm=False)[0].outputs[0]
     tokens, text = base.token_ids, base.text
     cases = [
         greedy(40, stop_token_ids=[tokens[17]]),
@@ -208,15 +215,34 @@ def test_stops_inside_an_accepted_run_land_where_plain_decoding_puts_them():
         assert_same_completions(plain, spec)
         assert spec[0].outputs[0].finish_reason in ("stop", "length")
         assert spec[0].metrics.num_accepted_tokens > 0   # drafts were verified before it stopped
-    assert_all_blocks_free(engine(True))
+    assert_all_blocks_free(engine("ngram"))
 
 
 def test_seeded_sampling_with_speculation_is_reproducible():
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=NEW_TOKENS,
                             ignore_eos=True)
-    llm = engine(True)
+    llm = engine("ngram")
     first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     second = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
     assert sum(o.metrics.num_draft_tokens for o in first) > 0
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in first)
+
+
+def test_suffix_decoding_drafts_a_repeated_answer_from_earlier_outputs():
+    """The same free-text prompt twice, one request after the other: the second one's
+    answer is drafted from the first one's output in the global cache (and equals plain
+    decoding); with the global cache off the second request gains nothing from the first."""
+    prompt, params = [PROMPTS[2]], greedy(40)
+    plain = engine(None).generate(prompt, params, use_tqdm=False)[0]
+    for cached, llm in ((True, LLM(speculative_config=SUFFIX, **FP32)),
+                        (False, LLM(speculative_config={
+                            **SUFFIX, "suffix_decoding_max_cached_requests": 0}, **FP32))):
+        first = llm.generate(prompt, params, use_tqdm=False)[0]
+        second = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert_same_completions([plain, plain], [first, second])
+        if cached:
+            assert second.metrics.num_accepted_tokens >= 20
+            assert second.metrics.num_accepted_tokens > 2 * first.metrics.num_accepted_tokens
+        else:
+            assert second.metrics.num_accepted_tokens == first.metrics.num_accepted_tokens

@@ -26,6 +26,9 @@ class ServerMetrics:
         self.hit_rate = Gauge(f"{p}_prefix_cache_hit_rate",
                               "share of looked-up prompt tokens found in the prefix cache", registry=r)
         self.preemptions = Gauge(f"{p}_num_preemptions", "preemptions since start", registry=r)
+        self.drafts = Gauge(f"{p}_spec_decode_num_drafts",
+                            "speculative drafts (rows verifying draft tokens) since start",
+                            registry=r)
         self.draft_tokens = Gauge(f"{p}_spec_decode_num_draft_tokens",
                                   "speculative draft tokens verified since start", registry=r)
         self.accepted_tokens = Gauge(f"{p}_spec_decode_num_accepted_tokens",
@@ -79,6 +82,7 @@ class ServerMetrics:
         self.blocks_cached.set(stats.num_cached_free_blocks)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         self.preemptions.set(stats.num_preemptions)
+        self.drafts.set(stats.num_drafts)
         self.draft_tokens.set(stats.num_draft_tokens)
         self.accepted_tokens.set(stats.num_accepted_tokens)
         return generate_latest(self.registry)

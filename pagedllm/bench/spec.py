@@ -1,0 +1,163 @@
+"""`pagedllm bench spec`: what speculative decoding gains where answers repeat their input,
+and what it costs where nothing is accepted.
+
+The chat families (bench/spec_prompts.py: code editing, summarization and extraction,
+multi-turn chat quoting earlier turns, an agent repeating a tool-call format) run single
+stream (their first two prompts one after the other) and 8 concurrent, greedy, with
+speculation off, n-gram and suffix in the same run; then W1 (random token ids, many
+streams) and W2 (one random-token stream), where drafts are rarely accepted. Every setting
+produces the same greedy tokens (checked and reported), so tok/s compare directly. Rounds
+alternate between the settings; the median is kept.
+
+Prefix caching is off in every engine (a prefix cache warmed by an earlier round would
+favour whichever engine ran before), and each suffix measurement gets a fresh engine: its
+global cache would otherwise hold the identical answers of the earlier rounds.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.bench import workloads as wl
+from pagedllm.bench.results import SpecRow
+from pagedllm.llm import LLM
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+SINGLE_STREAM_PROMPTS = 2
+
+
+def speculative_config(setting: str, k: int) -> dict | None:
+    """The engine's speculative_config for a bench setting (defaults otherwise: adaptive,
+    stand-down at DEFAULT_DISABLE_BY_BATCH_SIZE decode rows)."""
+    if setting == "off":
+        return None
+    if setting == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+    if setting == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    raise ValueError(f"unknown speculation setting {setting!r}; known: {', '.join(wl.SPEC_SETTINGS)}")
+
+
+@dataclass
+class SpecCase:
+    """One measurement: the workload's requests all at once (streams > 1), or its first
+    SINGLE_STREAM_PROMPTS one after another (streams == 1)."""
+
+    workload: wl.Workload
+    streams: int
+    ignore_eos: bool
+
+    @property
+    def requests(self) -> list[wl.BenchRequest]:
+        n = self.streams if self.streams > 1 else SINGLE_STREAM_PROMPTS
+        return self.workload.requests[:n]
+
+
+def build_cases(tokenizer: Any, families: list[str], streams: list[int], max_output_len: int,
+                random_prompts: int, vocab_size: int) -> list[SpecCase]:
+    """Each chat family at each stream count; then W1 with random_prompts requests and W2
+    (none when random_prompts is 0)."""
+    cases = []
+    for family in families:
+        w = wl.spec_workload(family, tokenizer, max_output_len)
+        cases += [SpecCase(w, n, ignore_eos=False) for n in streams]
+    if random_prompts:
+        ids = wl.token_id_range(vocab_size)
+        w1 = wl.throughput_w1(random_prompts, id_range=ids)
+        cases.append(SpecCase(w1, len(w1.requests), ignore_eos=True))
+        cases.append(SpecCase(wl.latency_w2(id_range=ids), 1, ignore_eos=True))
+    return cases
+
+
+def run_case(llm: LLM, case: SpecCase) -> tuple[float, list[RequestOutput]]:
+    """Seconds and outputs of one pass."""
+    prompts = [r.prompt_token_ids for r in case.requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=case.ignore_eos)
+              for r in case.requests]
+    start = time.perf_counter()
+    if case.streams > 1:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outputs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    seconds = time.perf_counter() - start
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"pagedllm failed {len(errors)} requests: {errors[0]}")
+    return seconds, outputs
+
+
+class SpecBench:
+    """One engine per setting (a fresh one per suffix measurement), rounds alternating."""
+
+    def __init__(self, model: str | None, engine_kwargs: dict, settings: list[str], k: int,
+                 rounds: int) -> None:
+        self.model, self.engine_kwargs = model, engine_kwargs
+        self.settings, self.k, self.rounds = settings, k, rounds
+        self._engines: dict[str, LLM] = {}
+
+    def engine(self, setting: str) -> LLM:
+        if setting == "suffix" or setting not in self._engines:
+            self._engines.pop(setting, None)
+            gc.collect()
+            llm = LLM(self.model, speculative_config=speculative_config(setting, self.k),
+                      **self.engine_kwargs)
+            llm.generate([list(range(1000, 1024))],   # first-shape costs, outside the timing
+                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+            self._engines[setting] = llm
+        return self._engines[setting]
+
+    def run(self, cases: list[SpecCase]) -> list[SpecRow]:
+        rows = []
+        with tqdm(total=len(cases) * len(self.settings) * self.rounds, desc="bench spec",
+                  unit="run", dynamic_ncols=True) as bar:
+            for case in cases:
+                times: dict[str, list[float]] = {s: [] for s in self.settings}
+                outputs: dict[str, list[RequestOutput]] = {}
+                for _ in range(self.rounds):
+                    for setting in self.settings:
+                        bar.set_description(
+                            f"bench spec: {case.workload.name} x{case.streams} {setting}")
+                        seconds, outputs[setting] = run_case(self.engine(setting), case)
+                        times[setting].append(seconds)
+                        bar.update(1)
+                rows += [spec_row(case, s, times[s], outputs[s], outputs.get("off"),
+                                  times.get("off")) for s in self.settings]
+        return rows
+
+    def close(self) -> None:
+        self._engines.clear()
+        gc.collect()
+
+
+def spec_row(case: SpecCase, setting: str, times: list[float], outputs: list[RequestOutput],
+             base: list[RequestOutput] | None, base_times: list[float] | None) -> SpecRow:
+    seconds = statistics.median(times)
+    n = sum(len(o.outputs[0].token_ids) for o in outputs)
+    row = SpecRow(case.workload.name, case.streams, setting, seconds, times, n, n / seconds)
+    if base is not None and base_times:
+        row.speedup = statistics.median(base_times) / seconds
+        row.same_tokens_as_off = all(a.outputs[0].token_ids == b.outputs[0].token_ids
+                                     for a, b in zip(base, outputs, strict=True))
+    for o in outputs:
+        m = o.metrics
+        row.num_drafts += m.num_drafts
+        row.num_draft_tokens += m.num_draft_tokens
+        row.num_accepted_tokens += m.num_accepted_tokens
+        row.per_request.append({
+            "output_tokens": len(o.outputs[0].token_ids), "num_drafts": m.num_drafts,
+            "num_draft_tokens": m.num_draft_tokens, "num_accepted_tokens": m.num_accepted_tokens,
+            "acceptance_rate": m.acceptance_rate,
+            "mean_acceptance_length": m.mean_acceptance_length})
+    if row.num_draft_tokens:
+        row.acceptance_rate = row.num_accepted_tokens / row.num_draft_tokens
+    if row.num_drafts:
+        row.mean_acceptance_length = 1 + row.num_accepted_tokens / row.num_drafts
+    return row
+

@@ -1,0 +1,98 @@
+"""`pagedllm bench spec`: its chat workloads build through the model's chat template, a
+tiny run of every speculation setting completes with the same greedy tokens and reports
+acceptance, and the CLI writes the JSON. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.bench import workloads as wl
+from pagedllm.bench.report import format_spec_table
+from pagedllm.bench.spec import SpecBench, SpecCase, build_cases, speculative_config
+from pagedllm.bench.spec_prompts import FAMILIES
+from pagedllm.loader import default_model_path, load_model_source
+
+
+@pytest.fixture(scope="module")
+def source():
+    return load_model_source(default_model_path())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_renders_eight_distinct_chat_prompts(source, family):
+    tok = source.tokenizer
+    w = wl.spec_workload(family, tok, 64)
+    assert len(w.requests) == 8 and len({tuple(r.prompt_token_ids) for r in w.requests}) == 8
+    for r in w.requests:
+        assert 150 <= r.prompt_len <= 1024 and r.output_len == 64
+        text = tok.decode(r.prompt_token_ids, skip_special_tokens=False)
+        assert text.rstrip().endswith("<|im_start|>assistant")   # the generation prompt
+    assert w.summary()["params"] == {"family": family, "max_output_len": 64, "ignore_eos": False}
+
+
+def test_code_edit_prompts_hold_a_40_to_80_line_function():
+    for conversation in FAMILIES["code-edit"]():
+        code = conversation[-1]["content"].split("```python\n")[1].split("```")[0]
+        assert 40 <= len(code.splitlines()) <= 80
+
+
+def test_unknown_family_and_setting_are_rejected_clearly(source):
+    with pytest.raises(ValueError, match="unknown speculative-decoding family"):
+        wl.spec_workload("poetry", source.tokenizer)
+    with pytest.raises(ValueError, match="unknown speculation setting"):
+        speculative_config("eagle", 4)
+
+
+def test_cases_cover_every_family_and_stream_count_then_w1_and_w2(source):
+    cases = build_cases(source.tokenizer, ["code-edit", "agent"], [1, 8], 32, 4,
+                        source.config.vocab_size)
+    assert [(c.workload.name, c.streams, len(c.requests)) for c in cases] == [
+        ("code-edit", 1, 2), ("code-edit", 8, 8), ("agent", 1, 2), ("agent", 8, 8),
+        ("throughput", 4, 4), ("latency", 1, 1)]
+    assert [c.ignore_eos for c in cases] == [False] * 4 + [True] * 2
+
+
+def test_a_tiny_run_of_every_setting_gives_the_same_tokens_and_reports_acceptance(source):
+    w = wl.spec_workload("code-edit", source.tokenizer, 24)
+    case = SpecCase(w, 2, ignore_eos=True)
+    bench = SpecBench(None, {"dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20,
+                             "max_model_len": 1024, "enable_prefix_caching": False},
+                      ["off", "ngram", "suffix"], k=4, rounds=1)
+    try:
+        rows = bench.run([case])
+    finally:
+        bench.close()
+    assert [r.speculation for r in rows] == ["off", "ngram", "suffix"]
+    off, ngram, suffix = rows
+    assert off.speedup == pytest.approx(1.0) and off.num_draft_tokens == 0
+    assert off.acceptance_rate is None and off.mean_acceptance_length is None
+    for r in (ngram, suffix):
+        assert r.same_tokens_as_off and r.output_tokens == 48 and len(r.per_request) == 2
+        assert 0 < r.num_accepted_tokens <= r.num_draft_tokens
+        assert r.acceptance_rate == r.num_accepted_tokens / r.num_draft_tokens
+        assert 1 < r.mean_acceptance_length <= 1 + 4
+        assert all(q["mean_acceptance_length"] is not None for q in r.per_request)
+    table = format_spec_table(rows)
+    assert "code-edit" in table and "suffix" in table and "NO" not in table
+
+
+@pytest.mark.slow
+def test_bench_spec_cli_writes_the_table_and_json(tmp_path):
+    json_path = tmp_path / "spec.json"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "spec", "--threads", "1",
+           "--dtype", "float32", "--spec-families", "agent", "--spec-streams", "2",
+           "--output-len", "12", "--spec-k", "3", "--spec-random-prompts", "0",
+           "--kv-cache-memory-bytes", str(64 * 2**20), "--output-json", str(json_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "mean acc. len" in r.stdout
+    doc = json.loads(json_path.read_text())
+    assert [(x["workload"], x["speculation"]) for x in doc["results"]] == [
+        ("agent", "off"), ("agent", "ngram"), ("agent", "suffix")]
+    assert all(x["same_tokens_as_off"] for x in doc["results"])
+    assert doc["engine"]["enable_prefix_caching"] is False
