@@ -77,6 +77,16 @@ def paged_attention_scores() -> str:
     return "" if ext is None else ext.paged_attention_scores()
 
 
+@functools.cache
+def elementwise_vectorized() -> bool:
+    """The fused elementwise kernels (RMSNorm, SiLU/GELU-and-mul, rotary) are AVX-512 code,
+    rounding where torch's ops round. A build without AVX-512 (AVX2-only CPUs: AMD Zen 2/3,
+    most laptops) has only their scalar loops, which sum and exponentiate in another order
+    (fp32 logits of a random Llama drifted 1.7e-4 from HF's) and are no faster than torch's
+    own vectorized ops; there the layers take torch's."""
+    return paged_attention_scores() in ("avx512", "avx512_bf16")
+
+
 def cpu_has_native_bf16() -> bool:
     """The CPU itself runs bf16 matmuls natively (AVX512-BF16 or AMX), built kernels or not."""
     cpu = torch.cpu

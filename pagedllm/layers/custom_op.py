@@ -10,8 +10,9 @@ from pagedllm.kernels import probes
 def uses_cpu_kernels() -> bool:
     """Whether layers built now take pagedllm's C++ kernels: they are built on the CPU (the
     default device; the model runner builds CUDA models under their device) and the
-    kernels are available."""
-    return torch.get_default_device().type == "cpu" and probes.available()
+    kernels are available, vectorized for this CPU (probes.elementwise_vectorized)."""
+    return (torch.get_default_device().type == "cpu" and probes.available()
+            and probes.elementwise_vectorized())
 
 
 class CustomOp(nn.Module):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import build
+from pagedllm.kernels import build, probes
 from pagedllm.layers.rotary import RotaryEmbedding, rotate_half
 
 ext = build.load()
@@ -30,8 +30,10 @@ def assert_like_torch(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
     if ref.dtype == torch.float32:
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-    else:  # one bf16 ulp at most, and almost never
-        torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+    else:  # one bf16 ulp at most, and almost never (two in the scalar loops of a build
+        # without AVX-512, whose sums run in another order; layers take torch's ops there)
+        ulps = 1 if probes.elementwise_vectorized() else 2
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=ulps * 2 ** -7, atol=1e-6)
         assert (ours == ref).float().mean() > 0.99
 
 

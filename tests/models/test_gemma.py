@@ -17,6 +17,7 @@ import torch
 from family_harness import (Family, SETTING_CASES, assert_beam_search_equals_hf, assert_bf16_close,
                             assert_greedy_matches_hf, assert_logits_match_hf, assert_tp2_equals_hf,
                             max_logit_error, models_fixture)
+from pagedllm.kernels import probes
 from pagedllm import LLM
 from pagedllm.engine.cpu_decode_stack import CpuDecodeStack, _StackArgs
 from pagedllm.loader import ModelLoadError, load_model_source
@@ -155,6 +156,8 @@ def test_gemma_layers_take_the_one_call_decode_stack_with_the_per_op_results(mod
     assert_stack_equals_per_op(str(built.hf_dir), prompts, monkeypatch)
 
 
+@pytest.mark.skipif(not probes.has_avx512_bf16(),
+                    reason="the one-call decode stack needs AVX512-BF16 (this CPU lacks it)")
 def test_gemma_decoders_take_the_decode_stack(models):
     built, _, _ = models("gemma3")
     model = Gemma3ForCausalLM(load_model_source(built.path("hf")).config)

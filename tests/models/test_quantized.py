@@ -88,6 +88,8 @@ def test_chat_answers_paris(llm):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not probes.has_avx512_bf16(),
+                    reason="the one-call decode stack needs AVX512-BF16 (this CPU lacks it)")
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, monkeypatch):
     """Decode steps take the one-call stack with the GGUF weights too (every row count: the
     kernel's one-row and several-row tiles), with the per-op forward's results
