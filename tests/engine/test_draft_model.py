@@ -6,13 +6,13 @@ target's distribution with a draft unlike the target (chi-square on a tiny model
 draft's blocks are all free once requests finish or are aborted."""
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine_cache import bounded_engine_cache  # tests/ (pytest prepends the rootdir)
 from pagedllm import LLM, SamplingParams
 from pagedllm.loader import default_model_path
 import tiny_models
@@ -47,7 +47,7 @@ def _freeze(value):
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
-@functools.cache
+@bounded_engine_cache(maxsize=3)
 def _engine(spec: tuple | None, model: str | None, kw: tuple) -> LLM:
     options = dict(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512,
                    check_invariants=True)
@@ -118,8 +118,9 @@ def test_mixed_batch_of_drafting_and_plain_rows_and_n_greater_than_one():
     llm = engine(ITSELF)
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(spec) == token_ids(plain)
-    assert spec[1].metrics.num_draft_tokens == 0 and spec[2].metrics.num_draft_tokens == 0
-    assert spec[3].metrics.num_accepted_tokens == spec[3].metrics.num_draft_tokens > 0
+    # (rows with penalties or logprobs speculate too: their controls are replayed per position)
+    for out in spec:
+        assert out.metrics.num_accepted_tokens == out.metrics.num_draft_tokens > 0
     assert_all_free(llm)
 
 
@@ -209,7 +210,10 @@ def test_sampling_with_a_draft_is_reproducible_and_keeps_the_target_distribution
     temperature, prompt = 1.3, "ab cd"
     plain = _tiny_engine(target, None)
     probs = _exact_joint_probabilities(plain, prompt, temperature)
-    llm = _tiny_engine(target, {"model": str(draft), "num_speculative_tokens": 2})
+    # (every row drafts 2 tokens every step: no stand-down in the 256-row batch, no
+    # adaptive shrinking of a draft that is often rejected)
+    llm = _tiny_engine(target, {"model": str(draft), "num_speculative_tokens": 2,
+                                "adaptive": False, "disable_by_batch_size": None})
     draws = 3000
     params = [SamplingParams(temperature=temperature, top_k=3, seed=s, max_tokens=4,
                              ignore_eos=True) for s in range(draws)]

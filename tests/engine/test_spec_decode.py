@@ -4,12 +4,12 @@ preemption, mixed batches and n > 1; stops land where they would without specula
 seeded sampling is reproducible; suffix decoding learns from finished requests."""
 from __future__ import annotations
 
-import functools
-
-import pytest
 
 import json
 
+import pytest
+
+from engine_cache import bounded_engine_cache  # tests/ (pytest prepends the rootdir)
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -33,7 +33,7 @@ NEW_TOKENS = 24
 FP32 = dict(dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
 
 
-@functools.cache
+@bounded_engine_cache(maxsize=3)
 def engine(method: str | None, **kw) -> LLM:
     """One LLM per configuration for the module (loading costs seconds); method None: no
     speculation."""
