@@ -60,6 +60,17 @@ def _csv(choices: tuple[str, ...] | None = None):
     return parse
 
 
+def _spec_settings(text: str) -> list[str]:
+    from pagedllm.bench.spec import speculative_config
+    items = _csv()(text)
+    for item in items:
+        try:
+            speculative_config(item, 1)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return items
+
+
 def _csv_ints(text: str) -> list[int]:
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
@@ -121,9 +132,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
                    help="send token ids (exact lengths) or their detokenized text")
     sp = p.add_argument_group("spec (speculative decoding)")
-    sp.add_argument("--spec-settings", type=_csv(wl.SPEC_SETTINGS),
-                    default=list(wl.SPEC_SETTINGS),
-                    help="speculation settings to compare, comma-separated (default: all)")
+    sp.add_argument("--spec-settings", type=_spec_settings, default=list(wl.SPEC_SETTINGS),
+                    help="speculation settings to compare, comma-separated: off, ngram, suffix, "
+                         "self:N (the model's first N layers draft), draft:PATH (a draft model "
+                         "with the same tokenizer) (default: off,ngram,suffix)")
     sp.add_argument("--spec-families", type=_csv((*FAMILIES, "none")), default=list(FAMILIES),
                     help="chat workload families, comma-separated (default: all; none: only "
                          "W1 and W2)")
@@ -131,7 +143,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                     help="concurrent streams of each family, comma-separated (1: the first two "
                          "prompts one after the other; at most 8)")
     sp.add_argument("--spec-k", type=int, default=8,
-                    help="num_speculative_tokens of the ngram and suffix settings")
+                    help="num_speculative_tokens of every speculating setting")
     sp.add_argument("--spec-rounds", type=int, default=1,
                     help="timed passes per setting, alternating settings (median kept)")
     sp.add_argument("--spec-random-prompts", type=int, default=16,

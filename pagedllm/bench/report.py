@@ -59,13 +59,14 @@ def format_spec_table(rows: list[SpecRow]) -> str:
     """`bench spec`: tok/s, speedup over speculation off, acceptance, and whether the greedy
     tokens equal those without speculation."""
     header = ["workload", "streams", "speculation", "out tokens", "seconds", "tok/s", "speedup",
-              "accepted", "mean acc. len", "same tokens"]
+              "accepted", "mean acc. len", "in draft", "same tokens"]
     body = []
     for r in rows:
         body.append([r.workload, str(r.streams), r.speculation, str(r.output_tokens),
                      f"{r.seconds:.2f}", f"{r.tok_s:.1f}",
                      _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _pct(r.acceptance_rate),
                      _fmt(r.mean_acceptance_length, ".2f"),
+                     _pct(r.draft_seconds / r.seconds if r.draft_seconds is not None else None),
                      {None: "-", True: "yes", False: "NO"}[r.same_tokens_as_off]])
     widths = [max(len(h), *(len(b[c]) for b in body)) if body else len(h)
               for c, h in enumerate(header)]

@@ -99,6 +99,7 @@ class SpecRow:
     num_accepted_tokens: int = 0
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
+    draft_seconds: float | None = None      # in a draft model's propose() (median round)
     per_request: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:

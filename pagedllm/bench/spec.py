@@ -4,7 +4,8 @@ and what it costs where nothing is accepted.
 The chat families (bench/spec_prompts.py: code editing, summarization and extraction,
 multi-turn chat quoting earlier turns, an agent repeating a tool-call format) run single
 stream (their first two prompts one after the other) and 8 concurrent, greedy, with
-speculation off, n-gram and suffix in the same run; then W1 (random token ids, many
+speculation off, n-gram and suffix in the same run (or self-speculation, "self:N", and
+draft models, "draft:PATH", whose time in the draft is reported beside); then W1 (random token ids, many
 streams) and W2 (one random-token stream), where drafts are rarely accepted. Every setting
 produces the same greedy tokens (checked and reported), so tok/s compare directly. Rounds
 alternate between the settings; the median is kept.
@@ -41,7 +42,13 @@ def speculative_config(setting: str, k: int) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
     if setting == "suffix":
         return {"method": "suffix", "num_speculative_tokens": k}
-    raise ValueError(f"unknown speculation setting {setting!r}; known: {', '.join(wl.SPEC_SETTINGS)}")
+    kind, _, arg = setting.partition(":")
+    if kind == "self" and arg.isdigit() and int(arg) > 0:
+        return {"method": "self", "num_draft_layers": int(arg), "num_speculative_tokens": k}
+    if kind == "draft" and arg:
+        return {"model": arg, "num_speculative_tokens": k}
+    raise ValueError(f"unknown speculation setting {setting!r}; known: "
+                     f"{', '.join(wl.SPEC_SETTINGS)}, self:N (N > 0 layers), draft:PATH")
 
 
 @dataclass
@@ -73,6 +80,12 @@ def build_cases(tokenizer: Any, families: list[str], streams: list[int], max_out
         cases.append(SpecCase(w1, len(w1.requests), ignore_eos=True))
         cases.append(SpecCase(wl.latency_w2(id_range=ids), 1, ignore_eos=True))
     return cases
+
+
+def proposer_seconds(llm: LLM) -> float | None:
+    """Seconds a draft model's proposer has spent in propose() so far (None: no draft model)."""
+    stats = getattr(llm.engine.scheduler.proposer, "stats", None)
+    return stats.seconds if stats is not None else None
 
 
 def run_case(llm: LLM, case: SpecCase) -> tuple[float, list[RequestOutput]]:
@@ -119,16 +132,25 @@ class SpecBench:
                   unit="run", dynamic_ncols=True) as bar:
             for case in cases:
                 times: dict[str, list[float]] = {s: [] for s in self.settings}
+                draft_times: dict[str, list[float]] = {s: [] for s in self.settings}
                 outputs: dict[str, list[RequestOutput]] = {}
                 for _ in range(self.rounds):
                     for setting in self.settings:
                         bar.set_description(
                             f"bench spec: {case.workload.name} x{case.streams} {setting}")
-                        seconds, outputs[setting] = run_case(self.engine(setting), case)
+                        llm = self.engine(setting)
+                        before = proposer_seconds(llm)
+                        seconds, outputs[setting] = run_case(llm, case)
                         times[setting].append(seconds)
+                        if before is not None:
+                            draft_times[setting].append(proposer_seconds(llm) - before)
                         bar.update(1)
-                rows += [spec_row(case, s, times[s], outputs[s], outputs.get("off"),
-                                  times.get("off")) for s in self.settings]
+                for s in self.settings:
+                    row = spec_row(case, s, times[s], outputs[s], outputs.get("off"),
+                                   times.get("off"))
+                    if draft_times[s]:
+                        row.draft_seconds = statistics.median(draft_times[s])
+                    rows.append(row)
         return rows
 
     def close(self) -> None:

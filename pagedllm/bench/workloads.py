@@ -136,7 +136,9 @@ def prefix_w3(num_prompts: int = 32, prefix_len: int = 1024, suffix_len: int = 3
     return Workload("prefix", desc, requests, params)
 
 
-# The speculation settings `bench spec` compares (bench/spec.py: speculative_config).
+# The speculation settings `bench spec` compares by default (bench/spec.py:
+# speculative_config); it also takes "self:N" (the target's first N layers draft) and
+# "draft:PATH" (a draft model with the target's tokenizer).
 SPEC_SETTINGS = ("off", "ngram", "suffix")
 
 

@@ -372,7 +372,9 @@ class ModelRunner:
             record_prompt_logprobs(logits[num_sampled:num_sampled + len(targets)], targets)
             if not batch.samplers:
                 return SamplerOutput([])
-        spec_logits = logits[num_sampled + len(targets):]
+        # (a copy, taken before sampling, which may change its rows in place)
+        spec_logits = (_verified_logits(verified, logits[num_sampled + len(targets):], logits)
+                       if verified else None)
         logits = logits[:num_sampled]
         self.beam_logprobs(batch, logits)
         sampling = self.prepare_sample(batch.sampled_seqs, eos_token_ids,
@@ -383,7 +385,7 @@ class ModelRunner:
         logprobs = (compute_logprobs(logits, sampling, token_ids)
                     if sampling.num_logprobs is not None else None)
         output = SamplerOutput(token_ids.tolist(), logprobs)
-        if verified:
+        if spec_logits is not None:
             self.verify_drafts(batch, verified, spec_logits, output, eos_token_ids)
         return output
 
@@ -398,8 +400,8 @@ class ModelRunner:
         logits hold each verified row's 1 + k positions in turn. Position j is processed as
         plain decoding would process that step (DraftPosition: penalties, logit controls and
         min_tokens see the first j drafts as sampled). (A row's last position was also
-        sampled above, as every row's is; the verifier draws its own tokens, from the same
-        generator.)"""
+        sampled above, as every row's is, from the same logits; the verifier draws its own
+        tokens, from the same generator.)"""
         seqs = [batch.samplers[i][0] for i, _ in verified]
         positions = [p for seq in seqs for p in draft_positions(seq)]
         vocab = self.model_config.vocab_size
@@ -641,13 +643,26 @@ def _logit_rows(batch: ScheduledBatch, targets: list[tuple[Sequence, int, int]],
                 verified: list[tuple[int, list[int]]]) -> torch.Tensor:
     """Index of the token whose logits each batch.samplers entry samples from (a row's last
     token; a row sampled by several forks appears once per fork), then the prompt-logprob
-    targets' rows, then the verified rows' positions. Needs the Context."""
+    targets' rows, then the verified rows' positions but their last (sampled already: its
+    logits are the sampled row's, _verified_logits). Needs the Context."""
     last = get_context().cu_seqlens_q[1:] - 1
     rows = last[torch.tensor([row for _, row in batch.samplers], dtype=torch.int64)]
-    extra = [r for _, r, _ in targets] + [r for _, positions in verified for r in positions]
+    extra = [r for _, r, _ in targets] + [r for _, positions in verified for r in positions[:-1]]
     if extra:
         rows = torch.cat([rows, torch.tensor(extra, dtype=torch.int64)])
     return rows
+
+
+def _verified_logits(verified: list[tuple[int, list[int]]], spec_logits: torch.Tensor,
+                     sampled_logits: torch.Tensor) -> torch.Tensor:
+    """Each verified row's 1 + k positions in turn: its k draft positions' logits (computed
+    for the verifier) then its last position's, the logits its batch.samplers entry has."""
+    parts, at = [], 0
+    for i, positions in verified:
+        k = len(positions) - 1
+        parts += [spec_logits[at:at + k], sampled_logits[i:i + 1]]
+        at += k
+    return torch.cat(parts)
 
 
 def _ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,26 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-class Sequence:
+class TokenView:
+    """The prompt / completion split of token_ids, for anything holding both attributes."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class Sequence(TokenView):
     """A request's tokens (prompt + generated) and its logical -> physical block map.
 
     block_table[i] is the physical block holding tokens [i * block_size, (i + 1) * block_size).
@@ -96,18 +115,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed_tokens(self) -> int:

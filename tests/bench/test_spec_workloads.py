@@ -43,8 +43,17 @@ def test_code_edit_prompts_hold_a_40_to_80_line_function():
 def test_unknown_family_and_setting_are_rejected_clearly(source):
     with pytest.raises(ValueError, match="unknown speculative-decoding family"):
         wl.spec_workload("poetry", source.tokenizer)
-    with pytest.raises(ValueError, match="unknown speculation setting"):
-        speculative_config("eagle", 4)
+    for bad in ("eagle", "self:0", "self:x", "self", "draft:"):
+        with pytest.raises(ValueError, match="unknown speculation setting"):
+            speculative_config(bad, 4)
+
+
+def test_draft_settings_name_the_engines_speculative_config():
+    assert speculative_config("self:6", 3) == {
+        "method": "self", "num_draft_layers": 6, "num_speculative_tokens": 3}
+    assert speculative_config("draft:/m/small.gguf", 2) == {
+        "model": "/m/small.gguf", "num_speculative_tokens": 2}
+    assert speculative_config("off", 4) is None
 
 
 def test_cases_cover_every_family_and_stream_count_then_w1_and_w2(source):
@@ -76,8 +85,24 @@ def test_a_tiny_run_of_every_setting_gives_the_same_tokens_and_reports_acceptanc
         assert r.acceptance_rate == r.num_accepted_tokens / r.num_draft_tokens
         assert 1 < r.mean_acceptance_length <= 1 + 4
         assert all(q["mean_acceptance_length"] is not None for q in r.per_request)
+    assert off.draft_seconds is None and ngram.draft_seconds is None
     table = format_spec_table(rows)
     assert "code-edit" in table and "suffix" in table and "NO" not in table
+
+
+def test_self_speculation_reports_the_time_spent_in_its_draft(source):
+    w = wl.spec_workload("agent", source.tokenizer, 12)
+    bench = SpecBench(None, {"dtype": "float32", "kv_cache_memory_bytes": 64 * 2**20,
+                             "max_model_len": 1024, "enable_prefix_caching": False},
+                      ["off", "self:4"], k=2, rounds=1)
+    try:
+        off, self_spec = bench.run([SpecCase(w, 1, ignore_eos=True)])
+    finally:
+        bench.close()
+    assert self_spec.speculation == "self:4" and self_spec.same_tokens_as_off
+    assert self_spec.num_draft_tokens > 0
+    assert 0 < self_spec.draft_seconds < self_spec.seconds
+    assert "in draft" in format_spec_table([off, self_spec])
 
 
 @pytest.mark.slow

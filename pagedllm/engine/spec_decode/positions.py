@@ -10,13 +10,12 @@ reads from a Sequence.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.sequence import Sequence, TokenView
 
 
-class DraftPosition:
+class DraftPosition(TokenView):
     """seq as it would be after accepting its first j draft tokens (read-only)."""
 
     def __init__(self, seq: Sequence, j: int) -> None:
@@ -27,18 +26,6 @@ class DraftPosition:
         self.bad_words_token_ids = seq.bad_words_token_ids
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.token_ids = seq.token_ids + seq.spec_token_ids[:j]
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 def draft_positions(seq: Sequence) -> list[DraftPosition]:
