@@ -23,6 +23,8 @@ from pagedllm.utils import cdiv
 __all__ = ["LlamaBenchRunner", "LlamaCppRunner", "gguf_for_dtype"]
 
 _KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# llama-bench parses no f32 cache type (its ggml_type_from_name): f16, its default, there.
+_BENCH_KV_TYPES = {**_KV_TYPES, "float32": "f16"}
 
 
 def default_llama_server() -> str | None:
@@ -196,7 +198,7 @@ class LlamaBenchRunner:
         """Tokens per second of each repetition of one llama-bench test."""
         cmd = [self.binary, "-m", self.gguf, "-t", str(self.threads), "-p", str(prompt),
                "-n", str(gen), "-d", str(depth), "-r", str(iters), "-o", "json",
-               "-ctk", _KV_TYPES[self.dtype], "-ctv", _KV_TYPES[self.dtype]]
+               "-ctk", _BENCH_KV_TYPES[self.dtype], "-ctv", _BENCH_KV_TYPES[self.dtype]]
         run = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if run.returncode != 0:
             raise RuntimeError(f"llama-bench exited with code {run.returncode}: "
@@ -208,7 +210,7 @@ class LlamaBenchRunner:
         return {"llama.cpp": self._version}
 
     def settings(self) -> dict:
-        return {"kv_cache_type": _KV_TYPES[self.dtype], "gguf": os.path.basename(self.gguf),
+        return {"kv_cache_type": _BENCH_KV_TYPES[self.dtype], "gguf": os.path.basename(self.gguf),
                 **({"label": os.path.basename(self.gguf), "weight_bytes": gguf_tensor_bytes(self.gguf)}
                    if self.user_gguf else {})}
 

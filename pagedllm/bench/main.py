@@ -285,10 +285,12 @@ class Bench:
         from pagedllm.bench.pagedllm_runner import PagedLLMRunner
         kwargs = engine_kwargs(self.args)
         caching = getattr(self.args, "enable_prefix_caching", True)
+        # --dtype auto (the default) runs the engine as a user who names none would
+        engine_dtype = "auto" if resolve_dtypes(["auto"]) == [dtype] and "auto" in self.args.dtype else dtype
         for on in ([caching, not caching] if self._has("prefix") else [caching]):
             self._run_peer(dtype, lambda: PagedLLMRunner(
                 self.args.model, dtype, self.args.threads, {**kwargs, "enable_prefix_caching": on},
-                self.args.structured_output),
+                self.args.structured_output, engine_dtype),
                 workloads=None if on == caching else self._only("prefix"),
                 prefix_label=f"prefix caching {'on' if on else 'off'}")
 

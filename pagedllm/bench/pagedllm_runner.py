@@ -52,11 +52,14 @@ class PagedLLMRunner:
     engine = "pagedllm"
 
     def __init__(self, model: str | None, dtype: str, threads: int,
-                 engine_kwargs: dict[str, Any], structured: str = "none") -> None:
+                 engine_kwargs: dict[str, Any], structured: str = "none",
+                 engine_dtype: str | None = None) -> None:
+        """dtype names the run; the engine gets engine_dtype where given ("auto": as a user
+        who names no dtype, whose GGUF weights then stay quantized where kernels exist)."""
         from pagedllm.llm import LLM
         self.dtype, self.threads = dtype, threads
         self.structured = structured
-        self.engine_kwargs = {**engine_kwargs, "dtype": dtype, "num_threads": threads}
+        self.engine_kwargs = {**engine_kwargs, "dtype": engine_dtype or dtype, "num_threads": threads}
         t = time.perf_counter()
         self.llm = LLM(model, **self.engine_kwargs)
         self.load_s = time.perf_counter() - t
