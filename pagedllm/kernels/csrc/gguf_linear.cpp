@@ -11,7 +11,7 @@
 //   Q5_K  q' = 128 + q (0..31)    as Q4_K
 //   Q6_K  q' = 128 + q (0..63)    s = d sc (int8)   c = -160 s          (w = d sc (q - 32))
 // so over a unit x . w = s (x . q') + c sum(x): the dot products run on bf16 (AVX512-BF16
-// VDPBF16PS, or fp32 FMAs on AVX2) and each unit's sum is scaled and corrected in fp32. A
+// VDPBF16PS; AVX2 rounds x to 16-bit integers and sums in int32) and each unit's sum is scaled and corrected in fp32. A
 // 16-bit word whose low 7 bits are q, OR 0x4300, is the bf16 of 128 + q (and as the high
 // half of an fp32, the fp32 of it). d * sc is exact in fp32 (11 + 8 bits), not in fp16:
 // the K-quant scales stay the GGUF's integers, one byte each, multiplied here. The scale
@@ -50,10 +50,10 @@
 // constant offsets). From a type's kKeepRows rows on, a chunk's first tile also stores
 // what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the
 // chunk's other tiles read it back; below, each tile unpacks again (storing cost more
-// than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout: a 32-byte
-// half of a word vector is 8 outputs' pairs, widened to fp32 (the bf16 word shifted up, or
-// masked) for FMAs, in tiles of 2 or 1 rows by 2 groups; its one-row tiles prefetch as the
-// AVX-512 ones.
+// than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout but computes in
+// integers (see its section): a 32-byte half of a word vector is 8 outputs' pairs of q,
+// multiplied by a row's pair of 16-bit x with VPMADDWD, in tiles of 1 row by 2 groups or
+// 2-4 rows by 1 group; a panel's first tile prefetches as the AVX-512 one-row tiles.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -65,7 +65,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -78,6 +80,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GGUF_AVX2 1
 #endif
+
 
 namespace {
 
@@ -480,24 +483,29 @@ void interleave_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K
 #endif  // GGUF_AVX512
 
 // ---- AVX2 + FMA + F16C -----------------------------------------------------------------
+// Integer dot products: x is rounded to 16-bit integers per scale unit (x ~ xs xq, xs a
+// power of two: x's elements within 2^7 of the unit's largest are exact, the rest err by at
+// most 2^-16 of it), q is the quant itself (not q' = 128 + q), and VPMADDWD multiplies a
+// word vector's 8 outputs' pairs by the row's pair and adds each output's two products:
+// 16 multiply-adds in one instruction, summed exactly in int32 over a unit. Per unit
+// x . w = s xs (xq . q) + c2 xs sum(xq), with c2 = c + 128 s the weight at q = 0.
 #if defined(GGUF_AVX2)
 inline __m256i bits_to_4_avx2(__m256i v, int from) {
   return from >= 4 ? _mm256_srli_epi16(v, from - 4) : _mm256_slli_epi16(v, 4 - from);
 }
 
-// q' of pair 4u + s of a group's unit, outputs 8 half .. 8 half + 7, as fp32: e0 of each
-// pair's first element, e1 of its second.
+// q of pair 4u + s of a group's unit, outputs 8 half .. 8 half + 7, as 16-bit integers
+// (word 2o + e: output o's element e).
 template <QType T>
-inline void decode256(const uint8_t* unit, int u, int s, int half, __m256& e0, __m256& e1) {
+inline __m256i quants256(const uint8_t* unit, int u, int s, int half) {
   if constexpr (T == QType::Q8_0) {
-    const __m256i words = _mm256_cvtepi8_epi16(
+    return _mm256_cvtepi8_epi16(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + (4 * u + s) * 32 + 16 * half)));
-    e0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 16));
-    e1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(words, 16));
   } else {
     const __m256i words =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + u * 64 + half * 32));
-    __m256i q = _mm256_and_si256(_mm256_srli_epi16(words, 4 * s), _mm256_set1_epi16(0x0F));
+    __m256i q = s == 3 ? _mm256_srli_epi16(words, 12)
+                       : _mm256_and_si256(_mm256_srli_epi16(words, 4 * s), _mm256_set1_epi16(0x0F));
     if constexpr (T == QType::Q5_K) {
       const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256 + half * 32));
       q = _mm256_or_si256(q, _mm256_and_si256(bits_to_4_avx2(plane, 4 * u + s), _mm256_set1_epi16(0x10)));
@@ -507,15 +515,13 @@ inline void decode256(const uint8_t* unit, int u, int s, int half, __m256& e0, _
       q = _mm256_or_si256(q, _mm256_and_si256(bits_to_4_avx2(plane, 2 * (4 * (u % 2) + s)),
                                               _mm256_set1_epi16(0x30)));
     }
-    // the bf16 words of 128 + q, each the high half of its fp32
-    const __m256i bf = _mm256_or_si256(q, _mm256_set1_epi16(0x4300));
-    e0 = _mm256_castsi256_ps(_mm256_slli_epi32(bf, 16));
-    e1 = _mm256_castsi256_ps(_mm256_and_si256(bf, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    return q;
   }
 }
 
+// A scale unit's s and c2 (w = s q + c2) for outputs 8 half .. 8 half + 7 of a group.
 template <QType T>
-inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m256& c) {
+inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m256& c2) {
   auto fp16 = [&](int64_t at) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + at + 16 * half)));
   };
@@ -525,27 +531,71 @@ inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m25
   };
   if constexpr (T == QType::Q4_0) {
     s = fp16(0);
-    c = _mm256_mul_ps(s, _mm256_set1_ps(-136.f));
+    c2 = _mm256_mul_ps(s, _mm256_set1_ps(-8.f));
   } else if constexpr (T == QType::Q4_1) {
     s = fp16(0);
-    c = _mm256_fnmadd_ps(s, _mm256_set1_ps(128.f), fp16(32));
+    c2 = fp16(32);
   } else if constexpr (T == QType::Q8_0) {
     s = fp16(0);
-    c = _mm256_setzero_ps();
+    c2 = _mm256_setzero_ps();
   } else if constexpr (T == QType::Q6_K) {
     s = _mm256_mul_ps(fp16(0), bytes(32 + 16 * sub));
-    c = _mm256_mul_ps(s, _mm256_set1_ps(-160.f));
+    c2 = _mm256_mul_ps(s, _mm256_set1_ps(-32.f));
   } else {
     s = _mm256_mul_ps(fp16(0), bytes(64 + 16 * sub));
-    c = _mm256_fnmsub_ps(s, _mm256_set1_ps(128.f), _mm256_mul_ps(fp16(32), bytes(192 + 16 * sub)));
+    c2 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(fp16(32), bytes(192 + 16 * sub)));
   }
 }
 
-// The AVX-512 tile's sums with fp32 FMAs, from x widened to fp32 (xf, row stride K). Each
-// (row, group, half) sums a scale unit's pairs in order, its first and second elements in
-// turn, in one chain.
+// Rows x, rounded per scale unit: xq (16-bit, row stride K), xs (each unit's power of
+// two) and xsum (xs sum(xq)), per_row = K / width units a row. A unit holding an inf or a
+// NaN gets a NaN scale, so its outputs are NaN as they would be in floating point.
+void quantize_rows256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
+                      int16_t* xq, float* xs, float* xsum) {
+  const int64_t per_row = K / width;
+  alignas(32) float v[32];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < per_row; ++j) {
+      const at::BFloat16* p = x + m * ldx + j * width;
+      __m256 big = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      for (int64_t e = 0; e < width; e += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + e));
+        const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_store_ps(v + e, f);
+        big = _mm256_max_ps(big, _mm256_andnot_ps(_mm256_set1_ps(-0.f), f));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+      }
+      __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+      top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+      const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 1)));
+      const bool finite = _mm256_movemask_ps(nan) == 0 && std::isfinite(top);
+      int16_t* q = xq + m * K + j * width;
+      if (top == 0.f || !finite) {
+        std::memset(q, 0, width * sizeof(int16_t));
+        xs[m * per_row + j] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        xsum[m * per_row + j] = 0.f;
+        continue;
+      }
+      int exponent;
+      std::frexp(top, &exponent);  // top < 2^exponent: |x| / 2^(exponent - 15) < 2^15
+      const float up = std::ldexp(1.f, 15 - exponent);
+      int32_t total = 0;
+      for (int64_t e = 0; e < width; e += 8) {
+        const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + e), _mm256_set1_ps(up)));
+        const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + e), packed);
+        for (int i = 0; i < 8; ++i) total += q[e + i];
+      }
+      xs[m * per_row + j] = std::ldexp(1.f, exponent - 15);
+      xsum[m * per_row + j] = static_cast<float>(total) * xs[m * per_row + j];
+    }
+}
+
+// The tile's sums for MR rows by groups g0 .. g0 + NG - 1 of a panel of G groups: each
+// (row, group, half) sums a scale unit's pairs in order in int32, then adds s xs times that
+// sum and c2 xsum to its fp32 total.
 template <QType T, int MR, int NG>
-void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
+void tile256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs,
              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
   constexpr int kRuns = 4 / F::kSubs;
@@ -557,48 +607,52 @@ void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      const float* xu = xf + b * F::kBlock + i * kUnitInputs;
+      const int16_t* xu = xq + b * F::kBlock + i * kUnitInputs;
+#pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
-        __m256 part[MR][NG][2];
+        __m256i part[MR][NG][2];
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-          for (int g = 0; g < NG; ++g) part[m][g][0] = part[m][g][1] = _mm256_setzero_ps();
+          for (int g = 0; g < NG; ++g) part[m][g][0] = part[m][g][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
-          if (MR == 1 && g0 == 0)  // (the first of the 2-group tiles of a panel)
+          if (g0 == 0)  // (the first of the tiles of a panel)
             prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
 #pragma GCC unroll 4
           for (int s = 0; s < 4; ++s) {
+            __m256i pair[MR];
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {
+              int32_t xp;
+              std::memcpy(&xp, xu + m * ldx + 8 * u + 2 * s, sizeof(xp));
+              pair[m] = _mm256_set1_epi32(xp);
+            }
 #pragma GCC unroll 4
             for (int g = 0; g < NG; ++g) {
 #pragma GCC unroll 2
               for (int half = 0; half < 2; ++half) {
-                __m256 e0, e1;
-                decode256<T>(units + g * F::kUnit, u, s, half, e0, e1);
+                const __m256i q = quants256<T>(units + g * F::kUnit, u, s, half);
 #pragma GCC unroll 4
-                for (int m = 0; m < MR; ++m) {
-                  const float* xp = xu + m * ldx + 8 * u + 2 * s;
-                  part[m][g][half] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp), e0, part[m][g][half]);
-                  part[m][g][half] = _mm256_fmadd_ps(_mm256_broadcast_ss(xp + 1), e1, part[m][g][half]);
-                }
+                for (int m = 0; m < MR; ++m)
+                  part[m][g][half] = _mm256_add_epi32(part[m][g][half], _mm256_madd_epi16(q, pair[m]));
               }
             }
           }
         }
-        const int sub = i * F::kSubs + h;
+        const int64_t sub = b * kUnits<T> * F::kSubs + i * F::kSubs + h;
 #pragma GCC unroll 4
         for (int g = 0; g < NG; ++g)
 #pragma GCC unroll 2
           for (int half = 0; half < 2; ++half) {
-            __m256 s, c;
-            scales256<T>(blk + (g0 + g) * F::kHeader, sub, half, s, c);
+            __m256 s, c2;
+            scales256<T>(blk + (g0 + g) * F::kHeader, i * F::kSubs + h, half, s, c2);
 #pragma GCC unroll 4
             for (int m = 0; m < MR; ++m) {
-              acc[m][g][half] = _mm256_fmadd_ps(part[m][g][half], s, acc[m][g][half]);
-              if constexpr (F::kOffset)
-                acc[m][g][half] = _mm256_fmadd_ps(
-                    _mm256_set1_ps(xs[m * ldxs + b * kUnits<T> * F::kSubs + sub]), c, acc[m][g][half]);
+              const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[m * ldxs + sub]));
+              acc[m][g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][g][half]), sx, acc[m][g][half]);
+              if constexpr (T != QType::Q8_0)
+                acc[m][g][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][g][half]);
             }
           }
       }
@@ -608,23 +662,6 @@ void tile256(const float* xf, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g)
       for (int half = 0; half < 2; ++half)
         _mm256_storeu_ps(out + m * NG * kGroup + g * kGroup + 8 * half, acc[m][g][half]);
-}
-
-// x widened to fp32 (row stride K) and each row's sum over each scale unit, in order.
-void widen_and_sum256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
-                      float* xf, float* sums) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t j = 0; j < K; j += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + m * ldx + j));
-      _mm256_storeu_ps(xf + m * K + j,
-                       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    }
-    for (int64_t j = 0; j < K / width; ++j) {
-      float sum = 0.f;
-      for (int64_t e = 0; e < width; ++e) sum += xf[m * K + j * width + e];
-      sums[m * (K / width) + j] = sum;
-    }
-  }
 }
 #endif  // GGUF_AVX2
 
@@ -653,11 +690,13 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const bool few = M <= kFewRows;
-  std::vector<float> sums(M * per_row), xf;
+  std::vector<float> sums(M * per_row), xscales;
 #if defined(GGUF_AVX2)
+  std::vector<int16_t> xq;
   if (isa == Isa::kAvx2) {
-    xf.resize(M * K);
-    widen_and_sum256(xp, ldx, M, K, width, xf.data(), sums.data());
+    xq.resize(M * K);
+    xscales.resize(M * per_row);
+    quantize_rows256(xp, ldx, M, K, width, xq.data(), xscales.data(), sums.data());
   }
 #endif
 #if defined(GGUF_AVX512)
@@ -718,31 +757,29 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
         }
       }
 #endif
-      // Rows in tiles of MR rows (tile), the rows left over one at a time (one_row): the
-      // same sums in the same order, MR only sets how many rows share each weight load.
-      auto each_tile = [&](int64_t MR, auto&& tile, auto&& one_row) {
-        for (int64_t m = 0; m < rows;) {
-          const int64_t r = MR > 1 && rows - m >= MR ? MR : 1;
-          if (r > 1) tile(m, out);
-          else one_row(m, out);
-          store_rows(m, r);
-          m += r;
-        }
-      };
 #if defined(GGUF_AVX2)
       if (isa == Isa::kAvx2) {
-        const float* xr = xf.data() + m0 * K;
-        // out's rows are NG groups wide; the AVX2 tiles take 2 groups at a time.
-        auto tile = [&]<int MR>(int64_t m, float* o) {
-          for (int64_t g = 0; g < NG; g += 2) {
-            alignas(64) float part[MR * 2 * kGroup];
-            tile256<T, MR, 2>(xr + m * K, K, xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
+        // Tiles of up to kTileRows rows: a row alone takes 2 groups at a time (fewer
+        // registers than a several-row tile needs), several rows one group at a time.
+        auto tile = [&]<int MR, int TG>(int64_t m) {
+          for (int64_t g = 0; g < NG; g += TG) {
+            alignas(64) float part[MR * TG * kGroup];
+            tile256<T, MR, TG>(xq.data() + (m0 + m) * K, K, xscales.data() + (m0 + m) * per_row,
+                               xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
             for (int64_t j = 0; j < MR; ++j)
-              std::memcpy(o + j * NG * kGroup + g * kGroup, part + j * 2 * kGroup, 2 * kGroup * sizeof(float));
+              std::memcpy(out + j * NG * kGroup + g * kGroup, part + j * TG * kGroup,
+                          TG * kGroup * sizeof(float));
           }
+          store_rows(m, MR);
         };
-        each_tile(few ? 1 : 2, [&](int64_t m, float* o) { tile.template operator()<2>(m, o); },
-                  [&](int64_t m, float* o) { tile.template operator()<1>(m, o); });
+        for (int64_t m = 0; m < rows; m += kTileRows) {
+          switch (std::min<int64_t>(kTileRows, rows - m)) {
+            case 1: tile.template operator()<1, 2>(m); break;
+            case 2: tile.template operator()<2, 1>(m); break;
+            case 3: tile.template operator()<3, 1>(m); break;
+            default: tile.template operator()<4, 1>(m); break;
+          }
+        }
       }
 #endif
     }
