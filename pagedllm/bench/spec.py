@@ -225,8 +225,8 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> dict | None:
 
 def peer_row(case: SpecCase, setting: str, runs: list[LlamaMeasurement],
              base_runs: list[LlamaMeasurement], pagedllm_off: list[list[int]] | None) -> SpecRow:
-    """A llama.cpp row: median seconds, counts of the last pass, speedup over llama.cpp's own
-    "off", greedy tokens compared with its "off" and with pagedllm's "off"."""
+    """A llama.cpp row: median seconds, counts of the last pass, speedup in tok/s over
+    llama.cpp's own "off", greedy tokens compared with its "off" and with pagedllm's "off"."""
     last = runs[-1]
     tokens = [c.token_ids for c in last.completions]
     times = [m.seconds for m in runs]
@@ -234,7 +234,10 @@ def peer_row(case: SpecCase, setting: str, runs: list[LlamaMeasurement],
     n = sum(len(t) for t in tokens)
     row = SpecRow(case.workload.name, case.streams, setting, seconds, times, n, n / seconds,
                   engine=ENGINE)
-    row.speedup = statistics.median(m.seconds for m in base_runs) / seconds
+    # tok/s, not seconds: llama.cpp's speculation may change its greedy tokens and so the
+    # answers' lengths (EOS elsewhere)
+    base_tokens = sum(len(c.token_ids) for c in base_runs[-1].completions)
+    row.speedup = row.tok_s / (base_tokens / statistics.median(m.seconds for m in base_runs))
     row.same_tokens_as_off = tokens == [c.token_ids for c in base_runs[-1].completions]
     if pagedllm_off is not None:
         row.vs_pagedllm_off = {"same_tokens": tokens == pagedllm_off,

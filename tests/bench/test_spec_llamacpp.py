@@ -128,6 +128,11 @@ def test_a_llama_row_speeds_up_against_its_own_off_and_compares_tokens_with_page
     assert [q["draft_n"] for q in row.per_request] == [6, 2]
     base = peer_row(case, "off", off, off, pagedllm_off=[[7, 8], [9, 2]])
     assert base.speedup == pytest.approx(1.0) and base.acceptance_rate is None
+    # speculation that changed llama.cpp's answers (here one token longer): tok/s compare
+    longer = [LlamaMeasurement(2.0, [_completion([7, 8, 3]), _completion([9, 2])])]
+    changed = peer_row(case, "ngram-mod:24", longer, off, pagedllm_off=None)
+    assert changed.same_tokens_as_off is False and changed.vs_pagedllm_off is None
+    assert changed.speedup == pytest.approx((5 / 2.0) / (4 / 5.0))
     table = format_spec_table([base, row])
     assert "llama.cpp" in table and "ngram-simple:4" in table
     assert "llama.cpp off vs pagedllm off, code-edit x1: greedy tokens identical" in table
