@@ -29,6 +29,12 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
 
 def request_json(method: str, url: str, body: Any = None, timeout: float = 600.0,
                  headers: dict[str, str] | None = None) -> Any:
+    return json.loads(request_text(url, method, body, timeout, headers))
+
+
+def request_text(url: str, method: str = "GET", body: Any = None, timeout: float = 600.0,
+                 headers: dict[str, str] | None = None) -> str:
+    """The body of a 200 response as text (HTTPError otherwise)."""
     conn, path = _connection(url, timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
@@ -38,7 +44,7 @@ def request_json(method: str, url: str, body: Any = None, timeout: float = 600.0
         text = resp.read().decode("utf-8", "replace")
         if resp.status != 200:
             raise HTTPError(f"{method} {url} -> HTTP {resp.status}: {text[:500]}")
-        return json.loads(text)
+        return text
     finally:
         conn.close()
 

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedllm.bench.gguf_convert import gguf_for_dtype
-from pagedllm.bench.http_client import HTTPError, request_json, stream_events
+from pagedllm.bench.http_client import HTTPError, request_json, request_text, stream_events
 from pagedllm.bench.results import LatencyRun, ThroughputRun
 from pagedllm.bench.workloads import BenchRequest, Workload
 from pagedllm.utils import cdiv
@@ -37,6 +37,21 @@ def default_llama_server() -> str | None:
                           os.path.join(os.path.expanduser("~"), ".cache", "pagedllm", "llama.cpp"))
     path = os.path.join(root, "build", "bin", "llama-server")
     return path if os.access(path, os.X_OK) else None
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {name: value} for unlabelled samples; llama-server's
+    "llamacpp:" prefix dropped."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 2 or line.startswith("#") or "{" in parts[0]:
+            continue
+        try:
+            out[parts[0].removeprefix("llamacpp:")] = float(parts[1])
+        except ValueError:
+            continue
+    return out
 
 
 def _free_port() -> int:
@@ -67,7 +82,8 @@ class LlamaCppRunner:
 
     def __init__(self, binary: str, gguf: str, dtype: str, threads: int, parallel: int,
                  max_seq_len: int, cache_prompt: bool = True, startup_timeout: float = 300.0,
-                 user_gguf: bool = False) -> None:
+                 user_gguf: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+        """extra_args go to llama-server as given (e.g. its speculative-decoding flags)."""
         if dtype not in _KV_TYPES:
             raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r}")
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
@@ -81,7 +97,8 @@ class LlamaCppRunner:
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                "-c", str(parallel * self.slot_ctx), "--cont-batching",
-               "-ctk", _KV_TYPES[dtype], "-ctv", _KV_TYPES[dtype], "--no-webui"]
+               "-ctk", _KV_TYPES[dtype], "-ctv", _KV_TYPES[dtype], "--no-webui", *extra_args]
+        self.cmd = cmd
         t = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
@@ -129,6 +146,19 @@ class LlamaCppRunner:
     def _complete(self, r: BenchRequest) -> int:
         out = request_json("POST", f"{self.url}/completion", self._body(r, stream=False))
         return int(out["tokens_predicted"])
+
+    def complete_tokens(self, prompt: list[int], n_predict: int, ignore_eos: bool) -> dict:
+        """One greedy /completion on token ids, its generated token ids returned too
+        ("tokens"; the server's "timings" hold its speculation counts)."""
+        body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": ignore_eos,
+                "temperature": 0.0, "cache_prompt": self.cache_prompt, "stream": False,
+                "return_tokens": True}
+        return request_json("POST", f"{self.url}/completion", body)
+
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus counters (it must run with --metrics), by name without
+        the "llamacpp:" prefix."""
+        return parse_prometheus(request_text(f"{self.url}/metrics"))
 
     def warmup(self, workload: Workload) -> None:
         for r in workload.requests:

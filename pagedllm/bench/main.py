@@ -4,6 +4,7 @@
     pagedllm bench all --compare hf,llamacpp --llama-server /path/to/llama-server
     pagedllm bench serve --base-url http://127.0.0.1:8000 --request-rate 4
     pagedllm bench spec --spec-settings off,ngram,suffix --spec-streams 1,8
+    pagedllm bench spec --compare llamacpp --llama-spec ngram-simple:4,ngram-mod:24
 
 One run measures the machine (matmul peak, memory bandwidth), then every engine on the
 same token ids, and reports each engine's fraction of the workload's roofline.
@@ -22,13 +23,14 @@ from tqdm.auto import tqdm
 
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.hardware import MachineMeasurement, machine_info, measure_machine
-from pagedllm.bench.llamacpp_runner import default_llama_bench, default_llama_server
+from pagedllm.bench.llamacpp_runner import default_llama_bench, default_llama_server, gguf_for_dtype
 from pagedllm.bench.report import (format_bounds, format_machine, format_serving,
                                    format_spec_table, format_table, write_chart, write_json)
 from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
 from pagedllm.bench.roofline import (ModelCost, decode_step_roofline_seconds, model_cost,
                                      prefill_roofline_seconds, workload_roofline)
 from pagedllm.bench.serve import run_serve
+from pagedllm.bench.spec_llamacpp import DEFAULT_LLAMA_SPEC, parse_llama_spec
 from pagedllm.bench.spec_prompts import FAMILIES
 from pagedllm.config import EngineConfig
 
@@ -69,6 +71,14 @@ def _spec_settings(text: str) -> list[str]:
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return items
+
+
+def _llama_spec(text: str) -> str:
+    try:
+        parse_llama_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -146,6 +156,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                     help="num_speculative_tokens of every speculating setting")
     sp.add_argument("--spec-rounds", type=int, default=1,
                     help="timed passes per setting, alternating settings (median kept)")
+    sp.add_argument("--llama-spec", type=_llama_spec, default=DEFAULT_LLAMA_SPEC,
+                    help="with --compare llamacpp: llama-server's speculation settings beside "
+                         "off, comma-separated TYPE[:N] (TYPE ngram-simple, ngram-map-k or "
+                         "ngram-mod; N the n-gram length it looks up; drafts of --spec-k "
+                         f"tokens) (default: {DEFAULT_LLAMA_SPEC})")
     sp.add_argument("--spec-random-prompts", type=int, default=16,
                     help="requests of the W1 run after the chat families (0: skip W1 and W2)")
     o = p.add_argument_group("output")
@@ -405,22 +420,51 @@ def default_output_path(workload: str, started: datetime) -> str:
     return os.path.join("bench_results", f"{workload}-{started.strftime('%Y%m%d-%H%M%S')}.json")
 
 
+def spec_engine_dtype(names: list[str]) -> str:
+    """The engine's dtype in `bench spec`: "auto" where --dtype auto names the default dtype
+    (GGUF weights then stay quantized, as a user who names none gets, and as llama.cpp runs
+    the same file), else the first dtype named."""
+    dtype = resolve_dtypes(names)[0]
+    return "auto" if "auto" in names and resolve_dtypes(["auto"]) == [dtype] else dtype
+
+
+def llama_spec_peer(args: argparse.Namespace, model_path: str, cases: list) -> Any:
+    """llama.cpp's server under "off" and each --llama-spec setting (None without
+    --compare llamacpp). Its GGUF: --llama-gguf, else the model's own GGUF file where the
+    engine keeps GGUF weights quantized (--dtype auto), else the model converted to the dtype."""
+    if "llamacpp" not in args.compare:
+        return None
+    from pagedllm.bench.spec_llamacpp import LlamaSpecPeer, parse_llama_spec
+    dtype = resolve_dtypes(args.dtype)[0]
+    gguf = args.llama_gguf
+    if gguf is None:
+        gguf = model_path if (spec_engine_dtype(args.dtype) == "auto"
+                              and model_path.endswith(".gguf")) else gguf_for_dtype(model_path, dtype)
+    return LlamaSpecPeer(args.llama_server, gguf, dtype, args.threads, max(args.spec_streams),
+                         max(r.prompt_len + r.output_len for c in cases for r in c.requests),
+                         parse_llama_spec(args.llama_spec), args.spec_k,
+                         user_gguf=args.llama_gguf is not None)
+
+
 def run_spec(args: argparse.Namespace, argv: list[str], started: datetime) -> int:
-    """`bench spec`: the chat families and W1 / W2 under each speculation setting."""
+    """`bench spec`: the chat families and W1 / W2 under each speculation setting (and
+    llama.cpp's server under its own n-gram speculation with --compare llamacpp)."""
     from pagedllm.bench.spec import SpecBench, build_cases
     from pagedllm.bench.pagedllm_runner import pagedllm_version
     from pagedllm.loader import default_model_path, load_model_source
-    source = load_model_source(args.model or default_model_path())
+    model_path = args.model or default_model_path()
+    source = load_model_source(model_path)
     max_len = (args.output_len or (256, 256))[1]
     families = [f for f in args.spec_families if f != "none"]
     cases = build_cases(source.tokenizer, families, args.spec_streams, max_len,
                         args.spec_random_prompts, source.config.vocab_size)
     kwargs = {k: v for k, v in engine_kwargs(args).items() if k != "speculative_config"}
-    kwargs.update(dtype=resolve_dtypes(args.dtype)[0], num_threads=args.threads,
+    kwargs.update(dtype=spec_engine_dtype(args.dtype), num_threads=args.threads,
                   enable_prefix_caching=False)
     if kwargs.get("kv_cache_memory_bytes") is None:
         kwargs["kv_cache_memory_bytes"] = 1 << 30   # three engines may be alive at once
-    bench = SpecBench(args.model, kwargs, args.spec_settings, args.spec_k, args.spec_rounds)
+    peer = llama_spec_peer(args, model_path, cases)
+    bench = SpecBench(args.model, kwargs, args.spec_settings, args.spec_k, args.spec_rounds, peer)
     try:
         rows = bench.run(cases)
     finally:
@@ -430,19 +474,22 @@ def run_spec(args: argparse.Namespace, argv: list[str], started: datetime) -> in
     doc = {"schema": SCHEMA, "started": started.isoformat(timespec="seconds"),
            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "command": ["pagedllm", "bench", *argv], "machine": info,
-           "versions": {"pagedllm": pagedllm_version()},
+           "versions": {"pagedllm": pagedllm_version(),
+                        **({"llama.cpp": peer.version} if peer is not None else {})},
            "model": {"name": source.config.name or source.config.architecture,
-                     "path": args.model or default_model_path()},
+                     "path": model_path},
            "engine": {k: v for k, v in kwargs.items() if v is not None},
            "spec": {"settings": args.spec_settings, "num_speculative_tokens": args.spec_k,
                     "rounds": args.spec_rounds},
+           **({"llamacpp": peer.describe()} if peer is not None else {}),
            "workloads": [{**c.workload.summary(), "streams": c.streams} for c in cases],
            "results": [r.to_dict() for r in rows]}
     json_path = args.output_json or default_output_path("spec", started)
     write_json(doc, json_path)
     print(format_spec_table(rows))
     print(f"results: {json_path}")
-    differ = [r for r in rows if r.same_tokens_as_off is False]
+    # pagedllm's speculation must keep its greedy tokens; a peer's is reported, not judged
+    differ = [r for r in rows if r.same_tokens_as_off is False and r.engine == "pagedllm"]
     for r in differ:
         print(f"pagedllm bench: error: {r.speculation} changed the greedy tokens of "
               f"{r.workload} x{r.streams}", file=sys.stderr)

@@ -56,13 +56,14 @@ def format_table(results: list[BenchResult]) -> str:
 
 
 def format_spec_table(rows: list[SpecRow]) -> str:
-    """`bench spec`: tok/s, speedup over speculation off, acceptance, and whether the greedy
-    tokens equal those without speculation."""
-    header = ["workload", "streams", "speculation", "out tokens", "seconds", "tok/s", "speedup",
-              "accepted", "mean acc. len", "in draft", "same tokens"]
+    """`bench spec`: tok/s, speedup over speculation off (of the same engine), acceptance,
+    and whether the greedy tokens equal those without speculation; then, for a peer
+    (llama.cpp), whether its greedy tokens equal pagedllm's without speculation."""
+    header = ["workload", "streams", "engine", "speculation", "out tokens", "seconds", "tok/s",
+              "speedup", "accepted", "mean acc. len", "in draft", "same tokens"]
     body = []
     for r in rows:
-        body.append([r.workload, str(r.streams), r.speculation, str(r.output_tokens),
+        body.append([r.workload, str(r.streams), r.engine, r.speculation, str(r.output_tokens),
                      f"{r.seconds:.2f}", f"{r.tok_s:.1f}",
                      _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _pct(r.acceptance_rate),
                      _fmt(r.mean_acceptance_length, ".2f"),
@@ -73,7 +74,23 @@ def format_spec_table(rows: list[SpecRow]) -> str:
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    lines += _peer_token_notes(rows)
     return "\n".join(lines)
+
+
+def _peer_token_notes(rows: list[SpecRow]) -> list[str]:
+    """One line per peer "off" row: its greedy tokens against pagedllm's (other kernels may
+    round differently; reported, not an error)."""
+    out = []
+    for r in rows:
+        if r.vs_pagedllm_off is None or r.speculation != "off":
+            continue
+        d = r.vs_pagedllm_off["first_difference"]
+        where = ("identical" if d is None else
+                 f"differ from request {d['request']} token {d['token']} on "
+                 f"(lengths {d['lengths'][0]} vs {d['lengths'][1]})")
+        out.append(f"{r.engine} off vs pagedllm off, {r.workload} x{r.streams}: greedy tokens {where}")
+    return out
 
 
 def format_bounds(results: list[BenchResult]) -> str:

@@ -101,6 +101,8 @@ class SpecRow:
     mean_acceptance_length: float | None = None
     draft_seconds: float | None = None      # in a draft model's propose() (median round)
     per_request: list[dict] = field(default_factory=list)
+    engine: str = "pagedllm"                # or "llama.cpp" (its speedup: vs its own "off")
+    vs_pagedllm_off: dict | None = None     # a peer's greedy tokens vs pagedllm's "off"
 
     def to_dict(self) -> dict:
         return asdict(self)

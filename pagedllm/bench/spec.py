@@ -10,6 +10,12 @@ streams) and W2 (one random-token stream), where drafts are rarely accepted. Eve
 produces the same greedy tokens (checked and reported), so tok/s compare directly. Rounds
 alternate between the settings; the median is kept.
 
+With --compare llamacpp, llama.cpp's server runs the same cases in the same rounds, right
+after pagedllm's settings, with speculation off and with its own n-gram speculation
+(bench/spec_llamacpp.py); its rows carry engine "llama.cpp" and their speedup is over its
+own "off". Its greedy tokens are compared with pagedllm's "off" and reported, not required
+to match (other kernels round differently).
+
 Prefix caching is off in every engine (a prefix cache warmed by an earlier round would
 favour whichever engine ran before), and each suffix measurement gets a fresh engine: its
 global cache would otherwise hold the identical answers of the earlier rounds.
@@ -26,6 +32,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.results import SpecRow
+from pagedllm.bench.spec_llamacpp import ENGINE, LlamaMeasurement, LlamaSpecPeer
 from pagedllm.llm import LLM
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -109,9 +116,11 @@ class SpecBench:
     """One engine per setting (a fresh one per suffix measurement), rounds alternating."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, settings: list[str], k: int,
-                 rounds: int) -> None:
+                 rounds: int, peer: LlamaSpecPeer | None = None) -> None:
+        """peer: llama.cpp's server under its own settings, measured in the same rounds
+        right after pagedllm's (its rows: engine "llama.cpp", speedup vs its own "off")."""
         self.model, self.engine_kwargs = model, engine_kwargs
-        self.settings, self.k, self.rounds = settings, k, rounds
+        self.settings, self.k, self.rounds, self.peer = settings, k, rounds, peer
         self._engines: dict[str, LLM] = {}
 
     def engine(self, setting: str) -> LLM:
@@ -128,12 +137,15 @@ class SpecBench:
 
     def run(self, cases: list[SpecCase]) -> list[SpecRow]:
         rows = []
-        with tqdm(total=len(cases) * len(self.settings) * self.rounds, desc="bench spec",
+        peer_settings = list(self.peer.settings) if self.peer is not None else []
+        runs = len(self.settings) + len(peer_settings)
+        with tqdm(total=len(cases) * runs * self.rounds, desc="bench spec",
                   unit="run", dynamic_ncols=True) as bar:
             for case in cases:
                 times: dict[str, list[float]] = {s: [] for s in self.settings}
                 draft_times: dict[str, list[float]] = {s: [] for s in self.settings}
                 outputs: dict[str, list[RequestOutput]] = {}
+                peer_runs: dict[str, list[LlamaMeasurement]] = {s: [] for s in peer_settings}
                 for _ in range(self.rounds):
                     for setting in self.settings:
                         bar.set_description(
@@ -145,17 +157,27 @@ class SpecBench:
                         if before is not None:
                             draft_times[setting].append(proposer_seconds(llm) - before)
                         bar.update(1)
+                    for setting in peer_settings:
+                        bar.set_description(f"bench spec: {case.workload.name} x{case.streams} "
+                                            f"{ENGINE} {setting}")
+                        peer_runs[setting].append(run_peer_case(self.peer, setting, case))
+                        bar.update(1)
                 for s in self.settings:
                     row = spec_row(case, s, times[s], outputs[s], outputs.get("off"),
                                    times.get("off"))
                     if draft_times[s]:
                         row.draft_seconds = statistics.median(draft_times[s])
                     rows.append(row)
+                base = [o.outputs[0].token_ids for o in outputs["off"]] if "off" in outputs else None
+                for s in peer_settings:
+                    rows.append(peer_row(case, s, peer_runs[s], peer_runs["off"], base))
         return rows
 
     def close(self) -> None:
         self._engines.clear()
         gc.collect()
+        if self.peer is not None:
+            self.peer.close()
 
 
 def spec_row(case: SpecCase, setting: str, times: list[float], outputs: list[RequestOutput],
@@ -183,3 +205,48 @@ def spec_row(case: SpecCase, setting: str, times: list[float], outputs: list[Req
         row.mean_acceptance_length = 1 + row.num_accepted_tokens / row.num_drafts
     return row
 
+
+def run_peer_case(peer: LlamaSpecPeer, setting: str, case: SpecCase) -> LlamaMeasurement:
+    """One pass of the case on llama-server, as run_case does on pagedllm."""
+    reqs = case.requests
+    return peer.measure(setting, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs],
+                        case.ignore_eos, concurrent=case.streams > 1)
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> dict | None:
+    """Where two runs' greedy tokens first part: the request, the index of its first
+    differing token, both lengths (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            same = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            return {"request": i, "token": same, "lengths": [len(x), len(y)]}
+    return None
+
+
+def peer_row(case: SpecCase, setting: str, runs: list[LlamaMeasurement],
+             base_runs: list[LlamaMeasurement], pagedllm_off: list[list[int]] | None) -> SpecRow:
+    """A llama.cpp row: median seconds, counts of the last pass, speedup in tok/s over
+    llama.cpp's own "off", greedy tokens compared with its "off" and with pagedllm's "off"."""
+    last = runs[-1]
+    tokens = [c.token_ids for c in last.completions]
+    times = [m.seconds for m in runs]
+    seconds = statistics.median(times)
+    n = sum(len(t) for t in tokens)
+    row = SpecRow(case.workload.name, case.streams, setting, seconds, times, n, n / seconds,
+                  engine=ENGINE)
+    # tok/s, not seconds: llama.cpp's speculation may change its greedy tokens and so the
+    # answers' lengths (EOS elsewhere)
+    base_tokens = sum(len(c.token_ids) for c in base_runs[-1].completions)
+    row.speedup = row.tok_s / (base_tokens / statistics.median(m.seconds for m in base_runs))
+    row.same_tokens_as_off = tokens == [c.token_ids for c in base_runs[-1].completions]
+    if pagedllm_off is not None:
+        row.vs_pagedllm_off = {"same_tokens": tokens == pagedllm_off,
+                               "first_difference": first_difference(pagedllm_off, tokens)}
+    row.num_drafts, row.num_draft_tokens = last.num_drafts, last.num_draft_tokens
+    row.num_accepted_tokens = last.num_accepted_tokens
+    row.per_request = [c.summary() for c in last.completions]
+    if row.num_draft_tokens:
+        row.acceptance_rate = row.num_accepted_tokens / row.num_draft_tokens
+    if row.num_drafts:
+        row.mean_acceptance_length = 1 + row.num_accepted_tokens / row.num_drafts
+    return row
