@@ -241,6 +241,13 @@ def resolve_dtypes(names: list[str]) -> list[str]:
     return out
 
 
+def engine_dtype(dtype: str, names: list[str]) -> str:
+    """The dtype the engine gets for the run of dtype (a resolve_dtypes name): "auto" where
+    --dtype auto named it (GGUF weights then stay quantized, as a user who names no dtype
+    gets, and as llama.cpp runs the same file), else dtype."""
+    return "auto" if "auto" in names and resolve_dtypes(["auto"]) == [dtype] else dtype
+
+
 # ---- running -------------------------------------------------------------------------------
 
 class Bench:
@@ -300,12 +307,10 @@ class Bench:
         from pagedllm.bench.pagedllm_runner import PagedLLMRunner
         kwargs = engine_kwargs(self.args)
         caching = getattr(self.args, "enable_prefix_caching", True)
-        # --dtype auto (the default) runs the engine as a user who names none would
-        engine_dtype = "auto" if resolve_dtypes(["auto"]) == [dtype] and "auto" in self.args.dtype else dtype
         for on in ([caching, not caching] if self._has("prefix") else [caching]):
             self._run_peer(dtype, lambda: PagedLLMRunner(
                 self.args.model, dtype, self.args.threads, {**kwargs, "enable_prefix_caching": on},
-                self.args.structured_output, engine_dtype),
+                self.args.structured_output, engine_dtype(dtype, self.args.dtype)),
                 workloads=None if on == caching else self._only("prefix"),
                 prefix_label=f"prefix caching {'on' if on else 'off'}")
 
@@ -421,11 +426,8 @@ def default_output_path(workload: str, started: datetime) -> str:
 
 
 def spec_engine_dtype(names: list[str]) -> str:
-    """The engine's dtype in `bench spec`: "auto" where --dtype auto names the default dtype
-    (GGUF weights then stay quantized, as a user who names none gets, and as llama.cpp runs
-    the same file), else the first dtype named."""
-    dtype = resolve_dtypes(names)[0]
-    return "auto" if "auto" in names and resolve_dtypes(["auto"]) == [dtype] else dtype
+    """The engine's dtype in `bench spec`: that of the first dtype named (engine_dtype)."""
+    return engine_dtype(resolve_dtypes(names)[0], names)
 
 
 def llama_spec_peer(args: argparse.Namespace, model_path: str, cases: list) -> Any:

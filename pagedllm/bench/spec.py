@@ -199,11 +199,17 @@ def spec_row(case: SpecCase, setting: str, times: list[float], outputs: list[Req
             "num_draft_tokens": m.num_draft_tokens, "num_accepted_tokens": m.num_accepted_tokens,
             "acceptance_rate": m.acceptance_rate,
             "mean_acceptance_length": m.mean_acceptance_length})
+    set_acceptance(row)
+    return row
+
+
+def set_acceptance(row: SpecRow) -> None:
+    """row's acceptance rate and mean acceptance length from its draft counts (None where it
+    drafted nothing)."""
     if row.num_draft_tokens:
         row.acceptance_rate = row.num_accepted_tokens / row.num_draft_tokens
     if row.num_drafts:
         row.mean_acceptance_length = 1 + row.num_accepted_tokens / row.num_drafts
-    return row
 
 
 def run_peer_case(peer: LlamaSpecPeer, setting: str, case: SpecCase) -> LlamaMeasurement:
@@ -245,8 +251,5 @@ def peer_row(case: SpecCase, setting: str, runs: list[LlamaMeasurement],
     row.num_drafts, row.num_draft_tokens = last.num_drafts, last.num_draft_tokens
     row.num_accepted_tokens = last.num_accepted_tokens
     row.per_request = [c.summary() for c in last.completions]
-    if row.num_draft_tokens:
-        row.acceptance_rate = row.num_accepted_tokens / row.num_draft_tokens
-    if row.num_drafts:
-        row.mean_acceptance_length = 1 + row.num_accepted_tokens / row.num_drafts
+    set_acceptance(row)
     return row
