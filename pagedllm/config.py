@@ -22,6 +22,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # 1.74x at 32 (d = 4: 1.75x .. 3.58x). A 1-token draft pays only when it is accepted more
 # often than ratio - 1; from 8 rows on that was over half the time.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# A CUDA step's token budget with chunked prefill: large enough that a prompt step fills the
+# GPU's matrix units (vLLM's default on such GPUs is 8192; nano-vllm's 16384), small enough
+# that its activations leave the KV cache room (docs/benchmarks.md, "On an NVIDIA GPU").
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def _opt(help: str, **kw: Any) -> Any:
@@ -48,8 +52,8 @@ class EngineConfig:
                                      default=None)
     max_num_seqs: int = _opt("most sequences in one batch", default=256)
     max_num_batched_tokens: int | None = _opt(
-        "token budget of one step (forward pass) (default: 2048 with chunked prefill, else "
-        "max(8192, max_model_len))", default=None)
+        "token budget of one step (forward pass) (default with chunked prefill: 2048 on CPU, "
+        f"{GPU_MAX_NUM_BATCHED_TOKENS} on CUDA; without: max(8192, max_model_len))", default=None)
     enable_chunked_prefill: bool = _opt(
         "split long prompts into chunks that share each step's token budget with running "
         "decodes", default=True)
@@ -65,8 +69,12 @@ class EngineConfig:
         "KV-cache budget in bytes, summed over tensor-parallel ranks "
         "(overrides --kv-cache-memory-fraction)", default=None)
     kv_cache_memory_fraction: float = _opt(
-        "KV-cache budget as a fraction of available RAM (shared by the ranks on one machine) "
-        "or of each GPU's free memory", default=0.25)
+        "KV-cache budget on the CPU as a fraction of available RAM (shared by the ranks on "
+        "one machine)", default=0.25)
+    gpu_memory_utilization: float = _opt(
+        "on CUDA, the fraction of each GPU's memory the engine may use: weights, the peak "
+        "activations of a profiled warm-up step at the full token budget, and the KV cache, "
+        "which gets the rest (vLLM's option)", default=0.9)
     tensor_parallel_size: int = _opt(
         "tensor-parallel ranks: the engine spawns N-1 worker processes, or joins the group "
         "torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT describe", default=1)
@@ -135,6 +143,9 @@ class EngineConfig:
         positive_int("tensor_parallel_size")
         positive_int("num_threads", allow_none=True)
         positive_int("kv_cache_memory_bytes", allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1], "
                              f"got {self.kv_cache_memory_fraction!r}")
@@ -163,14 +174,15 @@ class EngineConfig:
         """Fill the defaults that depend on the model."""
         if self.max_model_len is None:
             self.max_model_len = model_max_len
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
-                                           else max(8192, self.max_model_len))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device "
                              f"(torch {torch.__version__}); use device='cpu'")
+        if self.max_num_batched_tokens is None:
+            chunked = GPU_MAX_NUM_BATCHED_TOKENS if self.device == "cuda" else 2048
+            self.max_num_batched_tokens = (chunked if self.enable_chunked_prefill
+                                           else max(8192, self.max_model_len))
         if self.dtype == "auto":  # concrete from here on: spawned ranks get the same dtype
             self.dtype = str(default_dtype(self.device)).removeprefix("torch.")
         self._validate()

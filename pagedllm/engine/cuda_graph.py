@@ -8,7 +8,9 @@ the padding rows get slot -1 (their K/V is not stored) and context length 0.
 
 The attention backend must accept that padding (the Triton store skips slot -1, the
 Triton decode kernel writes zeros for a length-0 row) and must not synchronise with the
-host during decode.
+host during decode; a model whose layers do (graph_blocker) runs its decode steps eagerly.
+Every per-step tensor a layer derives is computed inside the captured forward (rotary
+tables per Context, see layers/rotary.py), so a replay recomputes it from the buffers.
 """
 from __future__ import annotations
 
@@ -20,6 +22,15 @@ from torch import nn
 from pagedllm.attention.context import Context, reset_context, set_context
 
 logger = logging.getLogger(__name__)
+
+
+def graph_blocker(model: nn.Module) -> str | None:
+    """Why the model's decode step cannot be captured (None when it can): its mixture-of-
+    experts layers size each expert's rows on the host (a sync a graph cannot hold)."""
+    from pagedllm.layers.moe import FusedMoE
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        return "its mixture-of-experts layers group rows by expert on the host"
+    return None
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -50,13 +61,15 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             self._set_context(bs)
             self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # warm up
+            # A fresh Context: nothing the warm-up worked out (the rotary lookup, backend
+            # plans) may be baked into the graph; the capture computes its own.
+            self._set_context(bs)
             with torch.cuda.graph(graph, pool):
                 self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs])
             pool = pool or graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize(device)
             reset_context()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
     def _set_context(self, bs: int) -> None:
         set_context(is_prefill=False, slot_mapping=self.slot_mapping[:bs],

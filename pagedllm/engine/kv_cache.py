@@ -60,26 +60,63 @@ class KVCacheShape:
                 self.head_dim)
 
 
-def kv_budget(config: EngineConfig, device: torch.device, local_world_size: int
-              ) -> tuple[int, str]:
+@dataclass(frozen=True)
+class GpuProfile:
+    """A GPU's memory after the model loaded and a profiled warm-up step ran (the model
+    runner's _profile_peak_activations): bytes in use on the device (weights, CUDA context,
+    other processes; the warm-up's cached blocks released), the warm-up's peak activation
+    bytes and its token count, and the model's own weight bytes (for the log)."""
+
+    total: int
+    used: int
+    peak_activations: int
+    num_tokens: int
+    weights: int
+
+    def kv_bytes(self, utilization: float) -> int:
+        """vLLM's rule: utilization x the device's memory, less what is in use and the peak
+        a step's activations reach."""
+        return int(self.total * utilization) - self.used - self.peak_activations
+
+    def describe(self, utilization: float) -> str:
+        gib = 2**30
+        return (f"{utilization:.0%} of {self.total / gib:.1f} GiB GPU memory, less "
+                f"{self.used / gib:.2f} GiB in use (weights {self.weights / gib:.2f} GiB) and "
+                f"{self.peak_activations / gib:.2f} GiB peak activations of a "
+                f"{self.num_tokens}-token step")
+
+
+def gpu_available_bytes(device: torch.device, utilization: float) -> int:
+    """What the engine may still take on a GPU: utilization x its memory, less what is in
+    use (by this or any other process)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * utilization) - (total - free)
+
+
+def kv_budget(config: EngineConfig, device: torch.device, local_world_size: int,
+              profile: GpuProfile | None = None) -> tuple[int, str]:
     """This rank's KV-cache bytes and where the figure comes from: an explicit budget is
-    split among the ranks, a fraction of RAM among the ranks that share this machine."""
+    split among the ranks; on CUDA what the profiled warm-up leaves of
+    gpu_memory_utilization; on the CPU a fraction of RAM among the ranks that share it."""
     if config.kv_cache_memory_bytes is not None:
         return (config.kv_cache_memory_bytes // config.tensor_parallel_size,
                 "--kv-cache-memory-bytes")
-    fraction = config.kv_cache_memory_fraction
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * fraction), f"{fraction:.0%} of free GPU memory"
+        if profile is None:
+            raise ValueError("a CUDA KV cache is sized from a profiled warm-up step")
+        utilization = config.gpu_memory_utilization
+        return profile.kv_bytes(utilization), profile.describe(utilization)
+    fraction = config.kv_cache_memory_fraction
     budget = int(available_memory_bytes() * fraction)
     return budget // local_world_size, f"{fraction:.0%} of available RAM"
 
 
 def allocate_kv_cache(config: EngineConfig, shape: KVCacheShape, device: torch.device,
-                      local_world_size: int, log: bool) -> torch.Tensor:
+                      local_world_size: int, log: bool, profile: GpuProfile | None = None
+                      ) -> torch.Tensor:
     """One zeroed tensor of KV blocks within the budget; every rank takes the smallest block
     count any rank can hold, and never more than every sequence at full length can use."""
-    budget, source = kv_budget(config, device, local_world_size)
+    budget, source = kv_budget(config, device, local_world_size, profile)
     num_blocks = budget // shape.block_bytes
     blocks_per_seq = cdiv(config.max_model_len, shape.block_size)
     num_blocks = all_reduce_min(min(num_blocks, config.max_num_seqs * blocks_per_seq))

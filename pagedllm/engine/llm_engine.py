@@ -13,7 +13,7 @@ from pagedllm.kernels.probes import gguf_linear_available
 from pagedllm.engine.beam_search import BeamSearchState
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes
+from pagedllm.engine.kv_cache import KVCacheShape, available_memory_bytes, gpu_available_bytes
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -124,7 +124,10 @@ class LLMEngine:
             logger.info("quantization gguf: %s weights kept quantized, %s dequantized to %s",
                         _type_names(keep) or "no", _type_names(source.tensor_types - keep)
                         or "no", config.dtype)
-        check_fits_in_memory(source.config, config.torch_dtype, available_memory_bytes(),
+        available = (gpu_available_bytes(torch.device("cuda", torch.cuda.current_device()),
+                                         config.gpu_memory_utilization)
+                     if config.device == "cuda" else available_memory_bytes())
+        check_fits_in_memory(source.config, config.torch_dtype, available,
                              source.path, KVCacheShape.of(config, source.config).block_bytes,
                              linear_weight_forms(config.torch_dtype, config.device),
                              source.kept_size(keep))
@@ -231,7 +234,8 @@ class LLMEngine:
         now = time.time() if arrival_time is None else arrival_time
         per_sample = ([sampling_params] if sampling_params.use_beam_search
                       else _per_sample_params(sampling_params))
-        seqs = [Sequence(token_ids, sp, self.config.block_size, request_id, now)
+        seqs = [Sequence(token_ids, sp, self.config.block_size, request_id, now,
+                         self.config.device)
                 for sp in per_sample]
         bad_words = self.bad_words_token_ids(sampling_params.bad_words or [])
         for i, seq in enumerate(seqs):

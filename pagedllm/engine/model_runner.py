@@ -25,10 +25,10 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed import (DistInfo, all_gather_str, destroy_distributed, get_store,
                                   init_distributed)
 from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
-from pagedllm.engine.cuda_graph import DecodeGraphs
+from pagedllm.engine.cuda_graph import DecodeGraphs, graph_blocker
 from pagedllm.engine.fault_injection import FaultInjector
-from pagedllm.engine.kv_cache import (KVCacheShape, allocate_kv_cache, allocate_swap_space,
-                                      bind_kv_cache)
+from pagedllm.engine.kv_cache import (GpuProfile, KVCacheShape, allocate_kv_cache,
+                                      allocate_swap_space, bind_kv_cache)
 from pagedllm.engine.scheduler import ScheduledBatch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.spec_decode.positions import draft_positions
@@ -74,7 +74,6 @@ class ModelRunner:
         self._masker: concurrent.futures.ThreadPoolExecutor | None = None  # grammar masks
         self.block_size = config.block_size
         self.dtype = config.torch_dtype
-        self.generator = torch.Generator().manual_seed(config.seed)
         self.world_size = config.tensor_parallel_size
         self.workers = workers
         self.broken = False
@@ -88,6 +87,8 @@ class ModelRunner:
             self._join_group(info)
         torch.set_num_threads(config.num_threads or default_num_threads(info.local_world_size))
         self.device = self._select_device(info)
+        # the sampler's shared generator, on the device where the sampler runs
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
         self.decode_stack: CpuDecodeStack | None = None
         try:
@@ -170,12 +171,56 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         self.kv_shape = KVCacheShape.of(self.config, self.model_config)
         log = self.rank == 0
+        self.gpu_profile: GpuProfile | None = None
+        if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
+            self.gpu_profile = self._profile_peak_activations()
         self.kv_cache = allocate_kv_cache(self.config, self.kv_shape, self.device,
-                                          self.dist_info.local_world_size, log)
+                                          self.dist_info.local_world_size, log, self.gpu_profile)
         bind_kv_cache(self.model, self.kv_cache)
         self.num_kvcache_blocks = self.kv_cache.shape[2]
         self.swap_cache = allocate_swap_space(self.config, self.kv_shape, self.kv_cache, log)
         self.num_swap_blocks = 0 if self.swap_cache is None else self.swap_cache.shape[2]
+
+    @torch.inference_mode()
+    def _profile_peak_activations(self) -> GpuProfile:
+        """Run the largest step the scheduler can form, a prompt step of the full token budget
+        (sequences of max_model_len tokens, at most max_num_seqs), with the logits and a
+        sampler's sort of max_num_seqs rows, before the KV cache exists; return the device's
+        memory figures and the step's peak activation bytes (vLLM's and nano-vllm's profile)."""
+        cfg = self.config
+        assert cfg.max_num_batched_tokens is not None and cfg.max_model_len is not None
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+        lengths = [cfg.max_model_len] * (num_tokens // cfg.max_model_len)
+        if num_tokens % cfg.max_model_len:
+            lengths.append(num_tokens % cfg.max_model_len)
+        one_block = torch.zeros(self.kv_shape.tensor_shape(1), dtype=self.dtype,
+                                device=self.device)
+        bind_kv_cache(self.model, one_block)  # (every slot below is -1: nothing is stored)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(self.device)
+        set_context(is_prefill=True, num_decodes=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                    max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
+                    slot_mapping=torch.full((num_tokens,), -1, device=self.device),
+                    seqlens_q=lengths, seqlens_k=lengths)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        try:
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+            hidden = self.model(input_ids, positions)
+            rows = hidden[-min(num_tokens, cfg.max_num_seqs):]
+            logits = self.model.compute_logits(rows).float()  # type: ignore[operator]
+            logits.softmax(-1).sort(-1, descending=True)   # top-p's sort, the sampler's peak
+            torch.cuda.synchronize(self.device)
+        finally:
+            reset_context()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del one_block, hidden, rows, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return GpuProfile(total=total, used=total - free, peak_activations=peak,
+                          num_tokens=num_tokens, weights=_model_bytes(self.model))
 
     def _choose_executors(self) -> None:
         """Besides the model's forward: CUDA graphs of decode steps on CUDA, the one-call
@@ -184,9 +229,17 @@ class ModelRunner:
         if cfg.enforce_eager:
             return
         if self.device.type == "cuda" and self.attention_backend in ("triton", "flash"):
+            blocker = graph_blocker(self.model)
+            if blocker is not None:
+                logger.info("decode steps run eagerly, without CUDA graphs: %s", blocker)
+                return
+            t = time.perf_counter()
             self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs,
                                        cdiv(cfg.max_model_len, self.block_size),
                                        self.model_config.hidden_size, self.device, self.dtype)
+            if self.rank == 0:
+                logger.info("CUDA graphs of decode steps for batch sizes %s captured in %.1f s",
+                            self.graphs.batch_sizes, time.perf_counter() - t)
         elif self.device.type == "cpu" and self.attention_backend == "cpu_paged":
             self.decode_stack = CpuDecodeStack.for_model(self.model, self.dtype)
 
@@ -262,18 +315,19 @@ class ModelRunner:
         num_logprobs = ([sp.logprobs for sp in params]
                         if any(sp.logprobs is not None for sp in params) else None)
         all_greedy = all(sp.temperature == 0 for sp in params)
+        upload = self._upload
         if all_greedy:
-            batch = SamplingBatch(torch.zeros(len(seqs)), None, None, None, [], True, banned,
-                                  penalties, num_logprobs)
+            batch = SamplingBatch(torch.zeros(len(seqs), device=self.device), None, None, None,
+                                  [], True, banned, penalties, num_logprobs)
         else:
             top_ks = [sp.top_k if sp.top_k > 0 else vocab for sp in params]
             top_ps = [sp.top_p for sp in params]
             min_ps = [sp.min_p for sp in params]
             batch = SamplingBatch(
-                temperatures=torch.tensor([sp.temperature for sp in params], dtype=torch.float32),
-                top_ks=torch.tensor(top_ks) if any(k < vocab for k in top_ks) else None,
-                top_ps=torch.tensor(top_ps) if any(p < 1 for p in top_ps) else None,
-                min_ps=torch.tensor(min_ps) if any(p > 0 for p in min_ps) else None,
+                temperatures=upload([sp.temperature for sp in params], torch.float32),
+                top_ks=upload(top_ks, torch.int64) if any(k < vocab for k in top_ks) else None,
+                top_ps=upload(top_ps, torch.float32) if any(p < 1 for p in top_ps) else None,
+                min_ps=upload(min_ps, torch.float32) if any(p > 0 for p in min_ps) else None,
                 generators=[seq.generator for seq in seqs],
                 all_greedy=False, banned=banned, penalties=penalties, num_logprobs=num_logprobs)
         for row, sp in enumerate(params):
@@ -289,22 +343,41 @@ class ModelRunner:
 
     def prepare_penalties(self, seqs: list[Sequence]) -> Penalties:
         """Token counts of each row's output and a mask of its prompt (rows without penalties
-        stay zero and get neutral factors)."""
+        stay zero and get neutral factors), built on the device from one upload of the
+        (row, token) pairs."""
         vocab = self.model_config.vocab_size
-        output_counts = torch.zeros(len(seqs), vocab)
-        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool)
+        out_rows: list[int] = []
+        out_ids: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_ids: list[int] = []
         for row, seq in enumerate(seqs):
             if not seq.sampling_params.has_penalties:
                 continue
-            output = torch.tensor(seq.completion_token_ids, dtype=torch.int64)
-            output_counts[row].index_add_(0, output, torch.ones(len(output)))
-            prompt_mask[row, torch.tensor(seq.prompt_token_ids, dtype=torch.int64)] = True
+            output, prompt = seq.completion_token_ids, seq.prompt_token_ids
+            out_rows += [row] * len(output)
+            out_ids += output
+            prompt_rows += [row] * len(prompt)
+            prompt_ids += prompt
+        output_counts = torch.zeros(len(seqs), vocab, device=self.device)
+        output_counts.index_put_((self._upload(out_rows, torch.int64),
+                                  self._upload(out_ids, torch.int64)),
+                                 torch.ones(len(out_ids), device=self.device), accumulate=True)
+        prompt_mask = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=self.device)
+        prompt_mask[self._upload(prompt_rows, torch.int64), self._upload(prompt_ids, torch.int64)] = True
         params = [seq.sampling_params for seq in seqs]
         return Penalties(
-            repetition=torch.tensor([sp.repetition_penalty for sp in params], dtype=torch.float32),
-            frequency=torch.tensor([sp.frequency_penalty for sp in params], dtype=torch.float32),
-            presence=torch.tensor([sp.presence_penalty for sp in params], dtype=torch.float32),
+            repetition=self._upload([sp.repetition_penalty for sp in params], torch.float32),
+            frequency=self._upload([sp.frequency_penalty for sp in params], torch.float32),
+            presence=self._upload([sp.presence_penalty for sp in params], torch.float32),
             output_counts=output_counts, prompt_mask=prompt_mask)
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a tensor on the device: on CUDA through pinned memory, copied
+        asynchronously (the step's kernels queue behind the copy, the host goes on)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -365,8 +438,6 @@ class ModelRunner:
             pool_hidden_states(hidden.float().cpu(), pools)
         if logits is None:  # nothing to sample (every row is a prompt chunk)
             return SamplerOutput([])
-        if self.device.type != "cpu":  # the sampler and its generators live on the host
-            logits = logits.cpu()
         num_sampled = len(batch.samplers)
         if targets:
             record_prompt_logprobs(logits[num_sampled:num_sampled + len(targets)], targets)
@@ -384,7 +455,7 @@ class ModelRunner:
         token_ids = sample(logits, sampling, self.generator)
         logprobs = (compute_logprobs(logits, sampling, token_ids)
                     if sampling.num_logprobs is not None else None)
-        output = SamplerOutput(token_ids.tolist(), logprobs)
+        output = SamplerOutput(token_ids.tolist(), logprobs)  # (the one copy to the host)
         if spec_logits is not None:
             self.verify_drafts(batch, verified, spec_logits, output, eos_token_ids)
         return output
@@ -442,7 +513,7 @@ class ModelRunner:
         """Beams are not sampled: give each its next-token log-probabilities (fp32)."""
         rows = [i for i, (seq, _) in enumerate(batch.samplers) if seq.is_beam]
         if rows:
-            logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+            logprobs = torch.log_softmax(logits[rows].float(), dim=-1).cpu()
             for i, lp in zip(rows, logprobs):
                 batch.samplers[i][0].beam_logprobs = lp
 
@@ -492,10 +563,10 @@ class ModelRunner:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = get_context()
         moved = {f.name: getattr(ctx, f.name) for f in fields(ctx)}
-        set_context(**{k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor)
-                           else v) for k, v in moved.items()})
-        return (input_ids.to(self.device, non_blocking=True),
-                positions.to(self.device, non_blocking=True))
+        upload = functools.partial(_pinned_upload, device=self.device)
+        set_context(**{k: (upload(v) if isinstance(v, torch.Tensor) else v)
+                       for k, v in moved.items()})
+        return upload(input_ids), upload(positions)
 
     # ---- tensor parallelism -------------------------------------------------------------------
 
@@ -549,6 +620,19 @@ class ModelRunner:
         logger.info("tensor parallel: workers stopped")
 
 
+def _model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (tied tensors once)."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())
+
+
+def _pinned_upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to the device asynchronously, from pinned memory."""
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _bad_words_due(seq: Sequence) -> list[list[int]]:
     """The bad words whose last token would complete them now: all but their last token end
     the output so far (one-token words always)."""
@@ -577,16 +661,16 @@ def _prompt_logprob_targets(batch: ScheduledBatch) -> list[tuple[Sequence, int, 
 def record_prompt_logprobs(logits: torch.Tensor, targets: list[tuple[Sequence, int, int]]) -> None:
     """Append each target's TokenLogprobs (its log-softmax, fp32) to its sequence."""
     logprobs = logits.float().log_softmax(-1)
-    ids = torch.tensor([seq.token_ids[target] for seq, _, target in targets])
+    ids = torch.tensor([seq.token_ids[target] for seq, _, target in targets], device=logits.device)
     chosen = logprobs.gather(-1, ids[:, None]).squeeze(-1).tolist()
     k = max(seq.sampling_params.prompt_logprobs for seq, _, _ in targets)
     top_values, top_ids = logprobs.topk(k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for i, (seq, _, target) in enumerate(targets):
         n = seq.sampling_params.prompt_logprobs
         assert len(seq.prompt_logprobs) == target
         seq.prompt_logprobs.append(TokenLogprobs(
-            seq.token_ids[target], chosen[i],
-            list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))))
+            seq.token_ids[target], chosen[i], list(zip(top_ids[i][:n], top_values[i][:n]))))
 
 
 def _pooling_rows(batch: ScheduledBatch) -> list[tuple[Sequence, list[int]]]:
@@ -632,10 +716,10 @@ def _verified_rows(batch: ScheduledBatch) -> list[tuple[int, list[int]]]:
 def _target_probs(logits: torch.Tensor, sp: SamplingParams, vocab_size: int) -> torch.Tensor:
     """The distribution sample() draws from for a row with these params (temperature, then
     top-k / top-p / min-p), at each of logits' positions [P, V] -> fp32 [P, V]."""
-    n = logits.shape[0]
-    top_k = torch.full((n,), sp.top_k) if 0 < sp.top_k < vocab_size else None
-    top_p = torch.full((n,), sp.top_p) if sp.top_p < 1 else None
-    min_p = torch.full((n,), sp.min_p) if sp.min_p > 0 else None
+    n, device = logits.shape[0], logits.device
+    top_k = torch.full((n,), sp.top_k, device=device) if 0 < sp.top_k < vocab_size else None
+    top_p = torch.full((n,), sp.top_p, device=device) if sp.top_p < 1 else None
+    min_p = torch.full((n,), sp.min_p, device=device) if sp.min_p > 0 else None
     return apply_top_k_top_p_min_p(logits / sp.temperature, top_k, top_p, min_p).softmax(-1)
 
 

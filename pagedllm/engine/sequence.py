@@ -51,7 +51,8 @@ class Sequence(TokenView):
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 request_id: str | None = None, arrival_time: float = 0.0) -> None:
+                 request_id: str | None = None, arrival_time: float = 0.0,
+                 generator_device: str = "cpu") -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.status = SequenceStatus.WAITING
@@ -64,8 +65,10 @@ class Sequence(TokenView):
         self.swap_table: list[int] = []     # swap-pool blocks holding its KV while SWAPPED
         self.block_hashes: list[int] = []   # chained hashes of full blocks, filled lazily
         self.sampling_params = sampling_params
-        # A seeded request samples from its own generator: reproducible in any batch.
-        self.generator = (torch.Generator().manual_seed(sampling_params.seed)
+        # A seeded request samples from its own generator: reproducible in any batch. It lives
+        # where the sampler runs (the model's device), so the noise is drawn there.
+        self.generator_device = generator_device
+        self.generator = (torch.Generator(generator_device).manual_seed(sampling_params.seed)
                           if sampling_params.seed is not None else None)
         self.finish_reason: str | None = None   # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None
@@ -147,7 +150,7 @@ class Sequence(TokenView):
         shares them); its own generator comes from sampling_params' seed."""
         child = Sequence(self.token_ids, sampling_params or self.sampling_params, self.block_size,
                          request_id if request_id is not None else self.request_id,
-                         self.arrival_time)
+                         self.arrival_time, self.generator_device)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens

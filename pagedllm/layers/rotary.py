@@ -94,7 +94,6 @@ class RotaryEmbedding(nn.Module):
                                    scale if rope_type == "longrope" else 1.0)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
-        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         # chosen once: an instance attribute, no per-call check
         self.rotate = (self.rotate_cpu if uses_cpu_kernels() and self.plain
                        else self.rotate_native)
@@ -107,17 +106,21 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] of the positions; every layer of a step passes the same
-        positions tensor, so they are looked up once per step, not once per layer."""
-        memo = self._memo
-        if memo is None or memo[0] is not positions or memo[1] != dtype:
+        positions tensor, so they are looked up once per step, not once per layer. The
+        lookup is kept in the step's Context (a new one each step, and for each CUDA-graph
+        capture), never across steps: a graph must capture the lookup itself, not a tensor
+        an earlier step left."""
+        plans = get_context().backend_plans
+        key = ("rotary", id(self), dtype)
+        memo = plans.get(key)
+        if memo is None or memo[0] is not positions:
             cos, sin = self.cos_cache[positions], self.sin_cache[positions]
             if self.long_after is not None:
                 long = (_row_lengths(positions) > self.long_after)[:, None]
                 cos = torch.where(long, self.long_cos_cache[positions], cos)
                 sin = torch.where(long, self.long_sin_cache[positions], sin)
-            memo = self._memo = (positions, dtype, cos.unsqueeze(1).to(dtype),
-                                 sin.unsqueeze(1).to(dtype))
-        return memo[2], memo[3]
+            memo = plans[key] = (positions, cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype))
+        return memo[1], memo[2]
 
     def rotate_native(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by its positions [T] (q and k heads may come together)."""

@@ -5,6 +5,10 @@ tokens), penalties, then greedy, or temperature / top-k / top-p / min-p then Gum
 Gumbel-max: argmax(p_i / E_i) with E_i ~ Exponential(1) draws i with probability p_i.
 A request with a seed draws its noise from its own generator, so its samples do not
 depend on what else is in the batch.
+
+Everything runs where the logits are (the model's device; on CUDA only the sampled token ids
+and the logprobs asked for go back to the host); the batch's tensors and generators must be
+on that device too.
 """
 from __future__ import annotations
 
@@ -79,7 +83,7 @@ class SamplerOutput:
 def unpack_token_masks(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool [R, vocab_size] of int32 bit masks [R, W] (bit t % 32 of word t // 32: token t;
     little-endian words, so bit t of the bytes in order)."""
-    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=-1, bitorder="little")
+    bits = np.unpackbits(masks.cpu().numpy().view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size])).view(torch.bool)
 
 
@@ -94,7 +98,8 @@ def apply_token_controls(logits: torch.Tensor, batch: SamplingBatch, rows: list[
         here = [(i, position[row]) for i, row in enumerate(batch.grammar_rows) if row in position]
         if here:
             masks, at = zip(*here)
-            allowed = unpack_token_masks(batch.grammar_masks[list(masks)], x.shape[-1])
+            allowed = unpack_token_masks(batch.grammar_masks[list(masks)],
+                                         x.shape[-1]).to(x.device, non_blocking=True)
             if list(at) == list(range(x.shape[0])):  # every row (one row alone, say)
                 x = torch.where(allowed, x, float("-inf"))
             else:
@@ -107,9 +112,9 @@ def apply_token_controls(logits: torch.Tensor, batch: SamplingBatch, rows: list[
             x[i, token_ids] = kept
     for row, token_ids, biases in batch.bias:
         if row in position:
-            x[position[row], token_ids] += torch.tensor(biases)
+            x[position[row], token_ids] += torch.tensor(biases, device=x.device)
     if batch.penalties is not None:
-        x = apply_penalties(x, _take_rows(batch.penalties, torch.tensor(rows)))
+        x = apply_penalties(x, _take_rows(batch.penalties, torch.tensor(rows, device=x.device)))
     for row, token_ids in batch.banned:
         if row in position:
             x[position[row], token_ids] = float("-inf")
@@ -155,7 +160,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor | None,
 
 def _exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
                        default: torch.Generator) -> torch.Tensor:
-    noise = torch.empty(shape)
+    """Exponential(1) noise on the generators' device (the default's for unseeded rows)."""
+    noise = torch.empty(shape, device=default.device)
     if all(g is None for g in generators):
         return noise.exponential_(generator=default)
     for row, gen in enumerate(generators):
@@ -208,16 +214,18 @@ def compute_logprobs(logits: torch.Tensor, batch: SamplingBatch, token_ids: torc
     result: list[TokenLogprobs | None] = [None] * len(batch.num_logprobs)
     if not wanted:
         return result
-    rows = torch.tensor(wanted)
+    rows = torch.tensor(wanted, device=logits.device)
     x = apply_token_controls(logits[rows], batch, wanted)
     temps = batch.temperatures[rows]
     temps = torch.where(temps == 0, torch.ones_like(temps), temps)
     logprobs = (x / temps[:, None]).log_softmax(-1)
     k = max(batch.num_logprobs[row] or 0 for row in wanted)
     top_values, top_ids = logprobs.topk(k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    chosen = logprobs.gather(-1, token_ids[rows][:, None]).squeeze(-1)
-    for i, row in enumerate(wanted):
+    sampled = token_ids.to(logits.device)[rows]
+    chosen = logprobs.gather(-1, sampled[:, None]).squeeze(-1).tolist()
+    top_ids, top_values = top_ids.tolist(), top_values.tolist()   # (one copy each)
+    for i, (row, token_id) in enumerate(zip(wanted, sampled.tolist())):
         n = batch.num_logprobs[row] or 0
-        result[row] = TokenLogprobs(int(token_ids[row]), float(chosen[i]),
-                                    list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())))
+        result[row] = TokenLogprobs(token_id, chosen[i],
+                                    list(zip(top_ids[i][:n], top_values[i][:n])))
     return result

@@ -115,6 +115,8 @@ class _Runner:
     from pagedllm.engine.model_runner import ModelRunner as _MR
     prepare_sample = _MR.prepare_sample
     prepare_penalties = _MR.prepare_penalties
+    _upload = _MR._upload
+    device = torch.device("cpu")
 
     class model_config:
         vocab_size = VOCAB

@@ -29,7 +29,7 @@ def verify_sampled(probs: torch.Tensor, draft: list[int],
     """Accepted draft tokens then one token drawn from the target. probs [len(draft) + 1, V]
     (fp32, rows sum to 1) are the target's distributions after temperature and filters."""
     out: list[int] = []
-    uniforms = torch.rand(len(draft), generator=generator).tolist()
+    uniforms = torch.rand(len(draft), generator=generator, device=probs.device).tolist()
     for j, (x, u) in enumerate(zip(draft, uniforms)):
         p = probs[j]
         if u < float(p[x]):
