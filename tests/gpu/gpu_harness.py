@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -9,6 +10,9 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).parent
+# The device the suite runs on: cuda; PAGEDLLM_GPU_SUITE_DEVICE=cpu dry-runs the tests that
+# do not need a GPU's own features on the CPU (a check of the tests themselves).
+DEVICE = os.environ.get("PAGEDLLM_GPU_SUITE_DEVICE", "cuda")
 
 
 def load_test_module(relative: str) -> ModuleType:
@@ -22,7 +26,7 @@ def load_test_module(relative: str) -> ModuleType:
 
 
 def to_cuda_inputs(ids: list[int]) -> torch.Tensor:
-    return torch.tensor([ids], device="cuda")
+    return torch.tensor([ids], device=DEVICE)
 
 
 def hf_greedy_cuda(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
