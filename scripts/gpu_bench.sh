@@ -51,7 +51,7 @@ else
     HF=(--hf-num-prompts 64 --hf-batch-sizes 64)
     # One stream: graphs for batch sizes up to 16 are all W2 uses (fewer to capture).
     W2=(--max-num-seqs 16 --max-model-len 4096 --latency-iters 3)
-    MAKE_S=120 W1_S=150 W2_S=90
+    MAKE_S=90 W1_S=150 W2_S=90
 fi
 
 status=0
@@ -69,7 +69,7 @@ step() {  # step NAME SECONDS CMD...: run CMD under timeout, log to OUT/NAME.log
 
 if [[ ! -f "$MODEL/config.json" ]]; then
     step make-model "$MAKE_S" "$PY" -m pagedllm.bench.random_model "$PRESET" "$MODEL" \
-        --dtype bfloat16 || exit "$status"
+        --dtype bfloat16 --device "$DEVICE" || exit "$status"
 fi
 
 if [[ $DEVICE == cuda ]]; then

@@ -73,13 +73,15 @@ class PagedLLMRunner:
 
     def executor(self) -> str:
         """What runs a decode step: CUDA graphs, the one-call CPU decode stack, or the
-        model's forward op by op (eager)."""
+        model's forward op by op: "eager" when enforce_eager asked for it, "model forward"
+        when neither executor applies (e.g. a float32 CPU model, a CUDA backend without
+        graphs)."""
         runner = self.llm.engine.model_runner
         if getattr(runner, "graphs", None) is not None:
             return "cuda graphs"
         if getattr(runner, "decode_stack", None) is not None:
             return "cpu decode stack"
-        return "eager"
+        return "eager" if self.llm.engine.config.enforce_eager else "model forward"
 
     def settings(self) -> dict:
         from pagedllm.loader.model_loader import decode_read_bytes
