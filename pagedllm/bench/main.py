@@ -433,6 +433,7 @@ class Bench:
                   prefix_label: str = "") -> None:
         """Load one engine, warm it up, run the workloads on it, free it. With --keep-going
         a failure is noted and the engine's memory freed instead of ending the run."""
+        failures = len(self.failures)
         try:
             self._run_engine(dtype, make, workloads, prefix_label)
         except Exception as e:
@@ -443,6 +444,7 @@ class Bench:
             print(f"pagedllm bench: an engine failed, going on (--keep-going): {what}",
                   file=sys.stderr)
             traceback.print_exc()
+        if len(self.failures) > failures:  # out of the except block: its frames are gone
             _free_device_memory(self.device)
 
     def _run_engine(self, dtype: str, make: Any, workloads: list[wl.Workload] | None,
