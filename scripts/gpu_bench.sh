@@ -52,6 +52,10 @@ else
     # One stream: graphs for batch sizes up to 16 are all W2 uses (fewer to capture).
     W2=(--max-num-seqs 16 --max-model-len 4096 --latency-iters 3)
     MAKE_S=90 W1_S=150 W2_S=90
+    # The C++ kernels are CPU kernels: on CUDA only the host-side argmax of greedy sampling
+    # would use one (torch's argmax does the same), and building them on a fresh machine
+    # takes a minute or more of the timeout. Set PAGEDLLM_CPU_KERNELS=1 to build them.
+    export PAGEDLLM_CPU_KERNELS=${PAGEDLLM_CPU_KERNELS:-0}
 fi
 
 status=0

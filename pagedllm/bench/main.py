@@ -483,6 +483,8 @@ class Bench:
             "schema": SCHEMA, "started": started,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": ["pagedllm", "bench", *argv], "device": self.device,
+            "environment": {k: v for k, v in sorted(os.environ.items())
+                            if k.startswith(("PAGEDLLM_", "CUDA_VISIBLE_DEVICES"))},
             "machine": info, "hardware": self.machine.summary() if self.machine else None,
             "versions": {"pagedllm": pagedllm_version(), "torch": torch.__version__,
                          **_peer_versions(self.device, self.args.compare)},
