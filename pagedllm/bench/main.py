@@ -5,27 +5,34 @@
     pagedllm bench serve --base-url http://127.0.0.1:8000 --request-rate 4
     pagedllm bench spec --spec-settings off,ngram,suffix --spec-streams 1,8
     pagedllm bench spec --compare llamacpp --llama-spec ngram-simple:4,ngram-mod:24
+    pagedllm bench throughput --shape nanovllm --device cuda --dtype bfloat16 \
+        --compare hf --hf-num-prompts 64 --hf-batch-sizes 64
+    pagedllm bench latency --device cuda --dtype bfloat16 --eager-too
 
-One run measures the machine (matmul peak, memory bandwidth), then every engine on the
-same token ids, and reports each engine's fraction of the workload's roofline.
+One run measures the machine (matmul peak, memory bandwidth; on --device cuda the GPU's),
+then every engine on the same token ids, and reports each engine's fraction of the
+workload's roofline.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tqdm.auto import tqdm
 
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.hardware import MachineMeasurement, machine_info, measure_machine
 from pagedllm.bench.llamacpp_runner import default_llama_bench, default_llama_server, gguf_for_dtype
-from pagedllm.bench.report import (format_bounds, format_machine, format_serving,
-                                   format_spec_table, format_table, write_chart, write_json)
+from pagedllm.bench.report import (format_bounds, format_comparisons, format_machine,
+                                   format_serving, format_spec_table, format_table,
+                                   speedups_over_eager, write_chart, write_json)
 from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
 from pagedllm.bench.roofline import (ModelCost, decode_step_roofline_seconds, model_cost,
                                      prefill_roofline_seconds, workload_roofline)
@@ -104,7 +111,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shape", choices=["w1", "nanovllm"], default="w1",
                    help="throughput shape: W1 (32-512 in, 32-256 out) or nano-vllm's (100-1024 both)")
     g.add_argument("--num-prompts", type=int, default=None,
-                   help="requests (default: 64 for throughput, 32 for prefix, 64 for serve)")
+                   help="requests (default: 64 for throughput, 256 with --shape nanovllm, 32 "
+                        "for prefix, 64 for serve)")
     g.add_argument("--input-len", type=_int_range, default=None,
                    help="prompt length N or MIN:MAX (prefix: the per-request suffix length)")
     g.add_argument("--output-len", type=_int_range, default=None, help="output length N or MIN:MAX")
@@ -125,14 +133,27 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="peers to run on the same token ids: hf, llamacpp (its server), llamabench (llama.cpp's llama-bench, latency only) (comma-separated)")
     r.add_argument("--hf-batch-sizes", type=_csv_ints, default=[8, 32, 64],
                    help="static batch sizes HF transformers tries; the fastest is reported")
+    r.add_argument("--hf-num-prompts", type=int, default=None,
+                   help="HF transformers runs only the first N requests of the throughput and "
+                        "prefix workloads, each with its own lengths (its row says so; tokens/s "
+                        "compare) (default: all of them)")
+    r.add_argument("--pagedllm-on-hf-subset", action="store_true",
+                   help="with --hf-num-prompts: pagedllm also runs HF's subset (one more row)")
+    r.add_argument("--eager-too", action="store_true",
+                   help="run pagedllm a second time with --enforce-eager (no CUDA graphs, no "
+                        "CPU decode stack) and report both rows and the speedup over eager")
     r.add_argument("--llama-server", default=None,
                    help="path of a llama.cpp llama-server binary (default: $PAGEDLLM_LLAMA_SERVER, "
                         "else the one scripts/build_llamacpp.sh built, if any)")
     r.add_argument("--llama-gguf", default=None,
                    help="GGUF for llama.cpp (default: the model converted to F32/BF16 per dtype)")
     r.add_argument("--llama-parallel", type=int, default=16, help="llama.cpp server slots")
+    r.add_argument("--keep-going", action="store_true",
+                   help="an engine that fails is noted (in the JSON's failures and the exit "
+                        "status) and the run goes on with the next one")
     r.add_argument("--quick-machine", action="store_true",
-                   help="measure the machine with small sizes (seconds, rougher)")
+                   help="measure the machine with small sizes (seconds, rougher; on CUDA a "
+                        "4096^3 matmul and a 256 MiB copy instead of 8192^3 and 1 GiB)")
     s = p.add_argument_group("serve")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
     s.add_argument("--request-rate", type=float, default=float("inf"),
@@ -171,7 +192,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "latency_iters", "threads", "llama_parallel", "prefix_len",
-                 "max_concurrency", "spec_k", "spec_rounds"):
+                 "max_concurrency", "spec_k", "spec_rounds", "hf_num_prompts"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -183,6 +204,13 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--spec-streams: each family has 8 prompts, got {args.spec_streams}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    if args.eager_too and getattr(args, "enforce_eager", False):
+        raise ValueError("--eager-too runs pagedllm once as configured and once with "
+                         "--enforce-eager; drop --enforce-eager")
+    if args.pagedllm_on_hf_subset and args.hf_num_prompts is None:
+        raise ValueError("--pagedllm-on-hf-subset needs --hf-num-prompts N")
+    if getattr(args, "device", "auto") == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu")
     llama = {"llamacpp", "llamabench"} & set(args.compare)
     if llama and not args.llama_server:
         args.llama_server = default_llama_server()
@@ -203,7 +231,9 @@ def build_workloads(args: argparse.Namespace,
     for name in names:
         if name == "throughput":
             make = wl.throughput_w1 if args.shape == "w1" else wl.throughput_nanovllm
-            kw: dict[str, Any] = {"seed": args.seed, "num_prompts": args.num_prompts or 64}
+            # nano-vllm's bench.py runs 256 requests of its shape
+            default = 64 if args.shape == "w1" else 256
+            kw: dict[str, Any] = {"seed": args.seed, "num_prompts": args.num_prompts or default}
             if args.shape == "w1":
                 kw["id_range"] = id_range
             if args.input_len:
@@ -231,21 +261,34 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(config).items() if k != "model" and k not in _BENCH_OWNED}
 
 
-def resolve_dtypes(names: list[str]) -> list[str]:
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def bench_device(args: argparse.Namespace) -> str:
+    """Where the engines run: --device, with auto resolved as the engine resolves it."""
+    device = getattr(args, "device", "auto")
+    if device == "auto":
+        return "cuda" if _cuda_available() else "cpu"
+    return device
+
+
+def resolve_dtypes(names: list[str], device: str = "cpu") -> list[str]:
     out = []
     for name in names:
         if name == "auto":
-            name = str(EngineConfig(dtype="auto").torch_dtype).removeprefix("torch.")
+            name = str(EngineConfig(dtype="auto", device=device).torch_dtype).removeprefix("torch.")
         if name not in out:
             out.append(name)
     return out
 
 
-def engine_dtype(dtype: str, names: list[str]) -> str:
+def engine_dtype(dtype: str, names: list[str], device: str = "cpu") -> str:
     """The dtype the engine gets for the run of dtype (a resolve_dtypes name): "auto" where
     --dtype auto named it (GGUF weights then stay quantized, as a user who names no dtype
     gets, and as llama.cpp runs the same file), else dtype."""
-    return "auto" if "auto" in names and resolve_dtypes(["auto"]) == [dtype] else dtype
+    return "auto" if "auto" in names and resolve_dtypes(["auto"], device) == [dtype] else dtype
 
 
 # ---- running -------------------------------------------------------------------------------
@@ -255,7 +298,8 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.dtypes = resolve_dtypes(args.dtype)
+        self.device = bench_device(args)
+        self.dtypes = resolve_dtypes(args.dtype, self.device)
         self.results: list[BenchResult] = []
         self.notes: list[str] = []
         from pagedllm.loader import default_model_path, load_model_source
@@ -266,6 +310,11 @@ class Bench:
         self.cost: ModelCost = model_cost(self.model_config)
         self.machine: MachineMeasurement | None = None
         self.load_at_start = [round(x, 2) for x in os.getloadavg()]
+        self.failures: list[str] = []
+        self.last_step = ""
+        # called after every row (run_bench writes the JSON so far: a run cut short by a
+        # timeout keeps the rows it finished)
+        self.on_result: Callable[[], None] | None = None
 
     def plan(self) -> list[str]:
         """The steps of the run, for the progress bar."""
@@ -279,6 +328,11 @@ class Bench:
                     steps.append(f"{engine} {dtype} {w.name}")
                     if w.name == "prefix" and engine in ("pagedllm", "llamacpp"):
                         steps.append(f"{engine} {dtype} {w.name} (caching off)")
+                    if engine == "pagedllm" and self.args.eager_too:
+                        steps.append(f"{engine} {dtype} {w.name} (eager)")
+                    if (engine == "pagedllm" and self.args.pagedllm_on_hf_subset
+                            and self._hf_subset(w) is not w):
+                        steps.append(f"{engine} {dtype} {w.name} (HF's subset)")
         return steps
 
     def run(self) -> None:
@@ -287,36 +341,67 @@ class Bench:
             self._step("measure machine")
             self.machine = measure_machine(self.args.threads,
                                            [_torch_dtype(d) for d in self.dtypes],
-                                           quick=self.args.quick_machine)
+                                           quick=self.args.quick_machine, device=self.device)
             bar.update(1)
             for dtype in self.dtypes:
                 self._run_pagedllm(dtype)
                 if "hf" in self.args.compare:
-                    self._run_peer(dtype, lambda: self._hf_runner(dtype))
+                    self._run_peer(dtype, lambda: self._hf_runner(dtype),
+                                   workloads=[self._hf_subset(w) for w in self.workloads])
                 if "llamacpp" in self.args.compare:
                     self._run_llamacpp(dtype)
                 if "llamabench" in self.args.compare and self._has("latency"):
                     self._run_llama_bench(dtype)
 
     def _step(self, text: str) -> None:
+        self.last_step = text
         self.bar.set_description(f"bench: {text}")
         self.bar.refresh()
 
     def _run_pagedllm(self, dtype: str) -> None:
-        """The engine flags as given for every workload; W3 again with prefix caching flipped."""
-        from pagedllm.bench.pagedllm_runner import PagedLLMRunner
-        kwargs = engine_kwargs(self.args)
+        """The engine flags as given for every workload (and HF's subset of them with
+        --pagedllm-on-hf-subset); W3 again with prefix caching flipped; with --eager-too
+        every workload again with enforce_eager, in an engine loaded after the first is freed."""
         caching = getattr(self.args, "enable_prefix_caching", True)
-        for on in ([caching, not caching] if self._has("prefix") else [caching]):
-            self._run_peer(dtype, lambda: PagedLLMRunner(
-                self.args.model, dtype, self.args.threads, {**kwargs, "enable_prefix_caching": on},
-                self.args.structured_output, engine_dtype(dtype, self.args.dtype)),
-                workloads=None if on == caching else self._only("prefix"),
-                prefix_label=f"prefix caching {'on' if on else 'off'}")
+        eager = self.args.eager_too
+        subsets = ([self._hf_subset(w) for w in self.workloads if self._hf_subset(w) is not w]
+                   if self.args.pagedllm_on_hf_subset else [])
+        self._run_peer(dtype, lambda: self._pagedllm_runner(dtype, caching, eager=False),
+                       workloads=self.workloads + subsets,
+                       prefix_label=f"prefix caching {'on' if caching else 'off'}")
+        if self._has("prefix"):
+            self._run_peer(dtype, lambda: self._pagedllm_runner(dtype, not caching, eager=False),
+                           workloads=self._only("prefix"),
+                           prefix_label=f"prefix caching {'on' if not caching else 'off'}")
+        if eager:
+            self._run_peer(dtype, lambda: self._pagedllm_runner(dtype, caching, eager=True),
+                           workloads=self.workloads + subsets,
+                           prefix_label=f"prefix caching {'on' if caching else 'off'}")
+
+    def _pagedllm_runner(self, dtype: str, caching: bool, eager: bool) -> Runner:
+        """pagedllm with the engine flags; eager: the --eager-too run (enforce_eager), whose
+        rows and those of the run it is compared with carry their executor as a label."""
+        from pagedllm.bench.pagedllm_runner import PagedLLMRunner
+        self._step(f"loading pagedllm {dtype}{' (eager)' if eager else ''} on {self.device}")
+        kwargs = {**engine_kwargs(self.args), "device": self.device,
+                  "enable_prefix_caching": caching}
+        if eager:
+            kwargs["enforce_eager"] = True
+        runner = PagedLLMRunner(self.args.model, dtype, self.args.threads, kwargs,
+                                self.args.structured_output,
+                                engine_dtype(dtype, self.args.dtype, self.device))
+        if self.args.eager_too:
+            runner.label = runner.executor()
+        return runner
 
     def _hf_runner(self, dtype: str) -> Runner:
         from pagedllm.bench.hf_runner import HFRunner
-        return HFRunner(self.model_path, dtype, self.args.threads, self.args.hf_batch_sizes)
+        self._step(f"loading HF transformers {dtype} on {self.device}")
+        return HFRunner(self.model_path, dtype, self.args.threads, self.args.hf_batch_sizes,
+                        self.device)
+
+    def _hf_subset(self, w: wl.Workload) -> wl.Workload:
+        return hf_subset(w, self.args.hf_num_prompts)
 
     def _run_llamacpp(self, dtype: str) -> None:
         """llama.cpp's server with its prompt cache on; W3 again with it off."""
@@ -346,74 +431,153 @@ class Bench:
 
     def _run_peer(self, dtype: str, make: Any, workloads: list[wl.Workload] | None = None,
                   prefix_label: str = "") -> None:
-        """Load one engine, warm it up, run the workloads on it, free it."""
+        """Load one engine, warm it up, run the workloads on it, free it. With --keep-going
+        a failure is noted and the engine's memory freed instead of ending the run."""
+        failures = len(self.failures)
+        try:
+            self._run_engine(dtype, make, workloads, prefix_label)
+        except Exception as e:
+            if not self.args.keep_going:
+                raise
+            what = f"{self.last_step}: {type(e).__name__}: {e}"
+            self.failures.append(what)
+            print(f"pagedllm bench: an engine failed, going on (--keep-going): {what}",
+                  file=sys.stderr)
+            traceback.print_exc()
+        if len(self.failures) > failures:  # out of the except block: its frames are gone
+            _free_device_memory(self.device)
+
+    def _run_engine(self, dtype: str, make: Any, workloads: list[wl.Workload] | None,
+                    prefix_label: str) -> None:
         self._step(f"loading {dtype} engine")
         runner: Runner = make()
         try:
             if self.args.warmup:
+                self._step(f"{runner.engine} {dtype} warm-up")
                 runner.warmup(wl.warmup_workload(
-                    id_range=wl.token_id_range(self.model_config.vocab_size)))
+                    id_range=wl.token_id_range(self.model_config.vocab_size), device=self.device))
             for w in workloads or self.workloads:
-                self._step(f"{runner.engine} {dtype} {w.name}")
+                self._step(f"{runner.engine} {dtype} {w.name} {wl.subset_label(w)}".rstrip())
                 if w.name == "latency":
                     result = latency_result(w, runner.latency(w, self.args.latency_iters), runner)
                 else:
                     result = throughput_result(w, runner.throughput(w), runner)
-                if w.name == "prefix" and prefix_label:
-                    result.settings["label"] = ", ".join(
-                        filter(None, [result.settings.get("label"), prefix_label]))
-                self._add_roofline(result, w)
+                add_labels(result, w, prefix_label)
+                assert self.machine is not None
+                add_roofline(result, w, self.cost, self.machine)
                 self.results.append(result)
+                if self.on_result is not None:
+                    self.on_result()
                 self.bar.update(1)
         finally:
             runner.close()
-
-    def _add_roofline(self, result: BenchResult, w: wl.Workload) -> None:
-        assert self.machine is not None
-        peak = self.machine.matmul_gflops.get(result.dtype)
-        if peak is None:
-            return
-        bw, itemsize = self.machine.memory_read_gbs, _torch_dtype(result.dtype).itemsize
-        if w.name == "latency":
-            r = w.requests[0]
-            steps = range(r.prompt_len + 1, r.prompt_len + r.output_len)
-            weight_bytes = result.settings.get("weight_bytes")  # quantized weights: their bytes
-            decode_s = sum(decode_step_roofline_seconds(self.cost, c, itemsize, peak, bw, weight_bytes)
-                           for c in steps)
-            bound_tok_s = len(steps) / decode_s if decode_s else None
-            ttft_bound = prefill_roofline_seconds(self.cost, r.prompt_len, peak)
-            result.roofline = {"tok_s": bound_tok_s, "decode_seconds": decode_s,
-                               "ttft_seconds": ttft_bound, "peak_gflops": peak, "bandwidth_gbs": bw,
-                               "ttft_fraction": ttft_bound / result.ttft_s if result.ttft_s else None}
-            if bound_tok_s and result.decode_tok_s:
-                result.roofline_fraction = result.decode_tok_s / bound_tok_s
-            return
-        roof = workload_roofline(self.cost, w, itemsize, peak, bw)
-        result.roofline = {**roof.summary(), "tok_s": w.num_output_tokens / roof.seconds,
-                           "serial_tok_s": w.num_output_tokens / roof.serial_seconds}
-        if result.elapsed_s:
-            result.roofline_fraction = roof.seconds / result.elapsed_s
-            result.serial_fraction = roof.serial_seconds / result.elapsed_s
 
     # ---- output ---------------------------------------------------------------------------
 
     def document(self, started: str, argv: list[str]) -> dict[str, Any]:
         from pagedllm.bench.pagedllm_runner import pagedllm_version
         import torch
-        info = machine_info()
+        info = machine_info(self.device)
         info["load_average_at_start"] = self.load_at_start
         return {
             "schema": SCHEMA, "started": started,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": ["pagedllm", "bench", *argv],
+            "command": ["pagedllm", "bench", *argv], "device": self.device,
+            "environment": {k: v for k, v in sorted(os.environ.items())
+                            if k.startswith(("PAGEDLLM_", "CUDA_VISIBLE_DEVICES"))},
             "machine": info, "hardware": self.machine.summary() if self.machine else None,
-            "versions": {"pagedllm": pagedllm_version(), "torch": torch.__version__},
+            "versions": {"pagedllm": pagedllm_version(), "torch": torch.__version__,
+                         **_peer_versions(self.device, self.args.compare)},
             "model": {"name": self.model_config.name or self.model_config.architecture,
                       "path": self.model_path, "cost": self.cost.summary()},
             "workloads": [w.summary() for w in self.workloads],
             "results": [r.to_dict() for r in self.results],
+            "failures": self.failures,
             "notes": self.notes,
         }
+
+
+def hf_subset(w: wl.Workload, hf_num_prompts: int | None) -> wl.Workload:
+    """What HF transformers runs of w: its first --hf-num-prompts requests (throughput and
+    prefix workloads; W2 is one request)."""
+    if w.name == "latency":
+        return w
+    return wl.first_requests(w, hf_num_prompts)
+
+
+def add_labels(result: BenchResult, w: wl.Workload, prefix_label: str = "") -> None:
+    """Say in the row's label what tells it from its neighbours: prefix caching on or off
+    (W3), and a subset of the workload's requests (with the subset's size in settings)."""
+    extra = [prefix_label if w.name == "prefix" else "", wl.subset_label(w)]
+    result.settings["label"] = ", ".join(filter(None, [result.settings.get("label"), *extra]))
+    if not result.settings["label"]:
+        del result.settings["label"]
+    if "first_requests" in w.params:
+        result.settings["workload_subset"] = {
+            "first_requests": w.params["first_requests"], "of_requests": w.params["of_requests"],
+            "prompt_tokens": w.num_prompt_tokens, "output_tokens": w.num_output_tokens}
+
+
+def add_roofline(result: BenchResult, w: wl.Workload, cost: ModelCost,
+                 machine: MachineMeasurement) -> None:
+    """The row's roofline from the machine's measured matmul rate (of the row's dtype) and
+    bandwidth: W2's decode steps one by one, else the whole workload (roofline.py)."""
+    peak = machine.matmul_gflops.get(result.dtype)
+    if peak is None:
+        return
+    bw, itemsize = machine.bandwidth_gbs, _torch_dtype(result.dtype).itemsize
+    if w.name == "latency":
+        r = w.requests[0]
+        steps = range(r.prompt_len + 1, r.prompt_len + r.output_len)
+        weight_bytes = result.settings.get("weight_bytes")  # quantized weights: their bytes
+        decode_s = sum(decode_step_roofline_seconds(cost, c, itemsize, peak, bw, weight_bytes)
+                       for c in steps)
+        bound_tok_s = len(steps) / decode_s if decode_s else None
+        ttft_bound = prefill_roofline_seconds(cost, r.prompt_len, peak)
+        result.roofline = {"tok_s": bound_tok_s, "decode_seconds": decode_s,
+                           "ttft_seconds": ttft_bound, "peak_gflops": peak, "bandwidth_gbs": bw,
+                           "device": machine.device,
+                           "ttft_fraction": ttft_bound / result.ttft_s if result.ttft_s else None}
+        if bound_tok_s and result.decode_tok_s:
+            result.roofline_fraction = result.decode_tok_s / bound_tok_s
+        return
+    roof = workload_roofline(cost, w, itemsize, peak, bw)
+    result.roofline = {**roof.summary(), "tok_s": w.num_output_tokens / roof.seconds,
+                       "serial_tok_s": w.num_output_tokens / roof.serial_seconds,
+                       "device": machine.device}
+    if result.elapsed_s:
+        result.roofline_fraction = roof.seconds / result.elapsed_s
+        result.serial_fraction = roof.serial_seconds / result.elapsed_s
+
+
+def _peer_versions(device: str, compare: list[str]) -> dict[str, str]:
+    """Versions that decide the figures beside torch's: CUDA and Triton on the GPU,
+    transformers with --compare hf."""
+    out: dict[str, str] = {}
+    if device == "cuda":
+        import torch
+        out["cuda"] = str(torch.version.cuda)
+        try:
+            import triton
+            out["triton"] = triton.__version__
+        except ImportError:
+            out["triton"] = "not installed"
+    if "hf" in compare:
+        try:
+            import transformers
+            out["transformers"] = transformers.__version__
+        except ImportError:
+            out["transformers"] = "not installed"
+    return out
+
+
+def _free_device_memory(device: str) -> None:
+    """What a failed engine held, back to the driver (the next engine's KV budget is a
+    fraction of the free memory)."""
+    gc.collect()
+    if device == "cuda":
+        import torch
+        torch.cuda.empty_cache()
 
 
 def _torch_dtype(name: str) -> "Any":
@@ -504,14 +668,22 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.workload == "spec":
         return run_spec(args, argv, started)
     bench = Bench(args)
+    json_path = args.output_json or default_output_path(args.workload, started)
+
+    def write_partial() -> None:
+        doc = bench.document(started.isoformat(timespec="seconds"), argv)
+        doc["partial"] = True  # overwritten by the whole run's document at its end
+        write_json(doc, json_path)
+
+    bench.on_result = write_partial
     if args.workload == "serve":
         result, notes = run_serve(args, bench.workloads[0], bench.tokenizer)
         bench.results.append(result)
         bench.notes.extend(notes)
     else:
         bench.run()
+    speedups_over_eager(bench.results)
     doc = bench.document(started.isoformat(timespec="seconds"), argv)
-    json_path = args.output_json or default_output_path(args.workload, started)
     png_path = args.output_png or os.path.splitext(json_path)[0] + ".png"
     chart_problem = write_chart(bench.results, png_path, _chart_title(doc))
     if chart_problem:
@@ -527,6 +699,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     serving = format_serving(bench.results)
     if serving:
         print(serving)
+    comparisons = format_comparisons(bench.results)
+    if comparisons:
+        print(comparisons)
     for note in bench.notes:
         print(f"note: {note}")
     print(f"results: {json_path}" + ("" if chart_problem else f", chart: {png_path}"))
@@ -534,10 +709,14 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     for r in inexact:
         print(f"pagedllm bench: error: {r.engine} {r.dtype} on {r.workload} produced "
               f"{r.output_tokens} tokens, {r.requested_output_tokens} were requested", file=sys.stderr)
-    return 1 if inexact else 0
+    for failure in bench.failures:
+        print(f"pagedllm bench: error: an engine failed: {failure}", file=sys.stderr)
+    return 1 if inexact or bench.failures else 0
 
 
 def _chart_title(doc: dict[str, Any]) -> str:
     m, hw = doc["machine"], doc["hardware"] or {}
-    return (f"{doc['model']['name']}, {hw.get('threads', '?')} threads of {m.get('cpu', '?')}\n"
+    where = (f"{m.get('gpu', '?')} (CUDA {m.get('cuda')})" if doc.get("device") == "cuda"
+             else f"{hw.get('threads', '?')} threads of {m.get('cpu', '?')}")
+    return (f"{doc['model']['name']}, {where}\n"
             f"{doc['started']}, pagedllm {doc['versions']['pagedllm']}")

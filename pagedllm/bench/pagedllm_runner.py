@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.bench.hardware import synchronize
 from pagedllm.bench.results import LatencyRun, ThroughputRun
 from pagedllm.bench.workloads import BenchRequest, Workload
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -53,32 +54,52 @@ class PagedLLMRunner:
 
     def __init__(self, model: str | None, dtype: str, threads: int,
                  engine_kwargs: dict[str, Any], structured: str = "none",
-                 engine_dtype: str | None = None) -> None:
+                 engine_dtype: str | None = None, label: str = "") -> None:
         """dtype names the run; the engine gets engine_dtype where given ("auto": as a user
-        who names no dtype, whose GGUF weights then stay quantized where kernels exist)."""
+        who names no dtype, whose GGUF weights then stay quantized where kernels exist).
+        label tells this run's rows from another run of the same engine (e.g. "eager")."""
         from pagedllm.llm import LLM
-        self.dtype, self.threads = dtype, threads
+        self.dtype, self.threads, self.label = dtype, threads, label
         self.structured = structured
         self.engine_kwargs = {**engine_kwargs, "dtype": engine_dtype or dtype, "num_threads": threads}
         t = time.perf_counter()
         self.llm = LLM(model, **self.engine_kwargs)
         self.load_s = time.perf_counter() - t
+        self.device = self.llm.engine.config.device
         self._ids = 0
 
     def versions(self) -> dict[str, str]:
         return {"pagedllm": pagedllm_version(), "torch": torch.__version__}
 
+    def executor(self) -> str:
+        """What runs a decode step: CUDA graphs, the one-call CPU decode stack, or the
+        model's forward op by op: "eager" when enforce_eager asked for it, "model forward"
+        when neither executor applies (e.g. a float32 CPU model, a CUDA backend without
+        graphs)."""
+        runner = self.llm.engine.model_runner
+        if getattr(runner, "graphs", None) is not None:
+            return "cuda graphs"
+        if getattr(runner, "decode_stack", None) is not None:
+            return "cpu decode stack"
+        return "eager" if self.llm.engine.config.enforce_eager else "model forward"
+
     def settings(self) -> dict:
         from pagedllm.loader.model_loader import decode_read_bytes
         cfg = self.llm.engine.config
-        return {"max_num_seqs": cfg.max_num_seqs,
+        runner = self.llm.engine.model_runner
+        labels = [self.label] if self.label else []
+        if cfg.quantization == "gguf":
+            labels.append("GGUF weights kept quantized")
+        return {"device": cfg.device, "executor": self.executor(),
+                "attention_backend": getattr(runner, "attention_backend", None),
+                "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens,
                 "block_size": cfg.block_size, "enable_prefix_caching": cfg.enable_prefix_caching,
                 "enforce_eager": cfg.enforce_eager, "quantization": cfg.quantization,
                 "num_kv_blocks": self.llm.engine.model_runner.num_kvcache_blocks,
                 "load_s": round(self.load_s, 2), "structured_output": self.structured,
-                **({"label": "GGUF weights kept quantized",
-                    "weight_bytes": decode_read_bytes(self.llm.engine.model_runner.model)}
+                **({"label": ", ".join(labels)} if labels else {}),
+                **({"weight_bytes": decode_read_bytes(runner.model)}
                    if cfg.quantization == "gguf" else {})}
 
     def warmup(self, workload: Workload) -> None:
@@ -90,8 +111,10 @@ class PagedLLMRunner:
         params = [exact_params(r, self.structured) for r in workload.requests]
         engine = self.llm.engine
         prompt_before, gen_before = engine.num_prompt_tokens, engine.num_generation_tokens
+        synchronize(self.device)
         t = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=True)
+        synchronize(self.device)
         elapsed = time.perf_counter() - t
         errors = [o.error for o in outputs if o.error]
         if errors:
@@ -116,6 +139,7 @@ class PagedLLMRunner:
         engine = self.llm.engine
         request_id = f"bench-latency-{self._ids}"
         self._ids += 1
+        synchronize(self.device)
         start = time.perf_counter()
         engine.add_request(request_id, r.prompt_token_ids, exact_params(r, self.structured))
         first = last = None
@@ -137,5 +161,10 @@ class PagedLLMRunner:
                 return first - start, decode, n
 
     def close(self) -> None:
+        """Free the engine entirely (weights, KV cache, CUDA graphs' pool) before the next
+        one loads: the next engine's KV budget is a fraction of the memory free then."""
+        self.llm.shutdown()
         del self.llm
         gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()

@@ -8,7 +8,10 @@
 Each preset is the published config.json of the model it names, built with transformers'
 own class; the largest keep their per-layer shapes with fewer layers (the name says so)
 so that they fit beside HF transformers in 24 GiB. The bundled model's tokenizer is saved
-beside the weights (the benchmarks send token ids drawn within its vocabulary).
+beside the weights (the benchmarks send token ids drawn within its vocabulary); where the
+bundled model's package is not installed (a bare GPU machine), or with --synthetic-tokenizer,
+a word-level tokenizer of the model's vocabulary size instead (token ids are all the
+benchmarks send; its text is meaningless, as theirs is).
 
 --gguf TYPE writes the Llama and Qwen3 presets as one GGUF file of that quantization type
 instead (bench/random_gguf.py: block by block, never the whole model in memory).
@@ -16,6 +19,7 @@ instead (bench/random_gguf.py: block by block, never the whole model in memory).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +98,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False)),
 }
+# Qwen3's architecture at a toy size: the CPU rehearsal of scripts/gpu_bench.sh
+PRESETS["qwen3-tiny"] = ("Qwen3Config", dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True))
 # Qwen3-30B-A3B with 4 of its 48 layers: fits the 24 GiB machines in bf16
 PRESETS["qwen3-30b-a3b-4layers"] = ("Qwen3MoeConfig",
                                     {**PRESETS["qwen3-30b-a3b"][1], "num_hidden_layers": 4})
@@ -107,11 +116,13 @@ _MODEL_CLASSES = {"Qwen3Config": "Qwen3ForCausalLM", "LlamaConfig": "LlamaForCau
 
 
 def make_random_model(preset: str, out_dir: str, dtype: torch.dtype = torch.bfloat16,
-                      seed: int = 0) -> str:
-    """Save the preset's randomly initialised model (and the bundled tokenizer) to out_dir."""
+                      seed: int = 0, synthetic_tokenizer: bool = False,
+                      device: str = "cpu") -> str:
+    """Save the preset's randomly initialised model (and the bundled tokenizer, or a
+    synthetic one: save_tokenizer) to out_dir. device: where the weights are drawn (a GPU
+    draws Qwen3-0.6B's in well under a second, a CPU in several)."""
     import transformers
 
-    from pagedllm.loader import load_model_source
     config_class, kwargs = PRESETS[preset]
     config = getattr(transformers, config_class)(bos_token_id=1, eos_token_id=2, **kwargs)
     torch.manual_seed(seed)
@@ -119,12 +130,39 @@ def make_random_model(preset: str, out_dir: str, dtype: torch.dtype = torch.bflo
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)   # built in dtype: a 4B model in fp32 would double the peak
     try:
-        model = model_class(config)
+        with torch.device(device):
+            model = model_class(config)
     finally:
         torch.set_default_dtype(default)
     model.save_pretrained(out_dir)
-    load_model_source(None).tokenizer.save_pretrained(out_dir)
+    save_tokenizer(out_dir, config.vocab_size, synthetic_tokenizer)
     return out_dir
+
+
+def save_tokenizer(out_dir: str, vocab_size: int, synthetic: bool = False) -> str:
+    """The bundled model's tokenizer, else (package missing, or synthetic) a word-level one
+    of vocab_size tokens ("<unk>", "<s>", "</s>", then "t3", "t4", ...; BOS 1 and EOS 2 as
+    the presets' configs say). Returns which one was saved."""
+    from pagedllm.loader import ModelLoadError, load_model_source
+    if not synthetic:
+        try:
+            load_model_source(None).tokenizer.save_pretrained(out_dir)
+            return "bundled"
+        except ModelLoadError as e:
+            print(f"random_model: {e}; saving a synthetic word-level tokenizer instead")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"t{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(out_dir) / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+              "bos_token": "<s>", "eos_token": "</s>"}
+    (Path(out_dir) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return "synthetic"
 
 
 def make_random_gguf(preset: str, out_dir: str, gguf_type: str, seed: int = 0,
@@ -143,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the random weights are drawn (HF directories only)")
+    parser.add_argument("--synthetic-tokenizer", action="store_true",
+                        help="save a word-level tokenizer of the model's vocabulary size, not "
+                             "the bundled model's (which is the fallback when its package is "
+                             "missing)")
     parser.add_argument("--gguf", metavar="TYPE", choices=GGUF_TYPES, default=None,
                         help=f"write one GGUF file of this type instead of an HF directory "
                              f"(Llama and Qwen3 presets): {', '.join(GGUF_TYPES)}")
@@ -151,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.gguf:
         out = make_random_gguf(args.preset, args.out_dir, args.gguf, progress=True)
     else:
-        out = make_random_model(args.preset, args.out_dir, getattr(torch, args.dtype))
+        out = make_random_model(args.preset, args.out_dir, getattr(torch, args.dtype),
+                                synthetic_tokenizer=args.synthetic_tokenizer, device=args.device)
     print(f"{args.preset}: saved to {out} in {time.perf_counter() - start:.0f} s")
 
 

@@ -34,22 +34,30 @@ def relative_to(results: list[BenchResult], engine: str) -> dict[int, float]:
 
 
 def format_table(results: list[BenchResult]) -> str:
-    header = ["workload", "engine", "dtype", "thr", "out tok/s", "total tok/s", "req/s",
-              "TTFT ms", "decode tok/s", "roofline", "serial", "vs HF", "exact", "versions"]
+    """One line per row; a "device" column once any row ran off the CPU (threads then
+    matter only to the CPU rows), a "reqs" column once a row ran a subset of its workload."""
+    on_gpu = any(r.device != "cpu" for r in results)
+    subset = any("workload_subset" in r.settings for r in results)
+    header = ["workload", "engine", "dtype", "device", "thr", "reqs", "out tok/s", "total tok/s",
+              "req/s", "TTFT ms", "decode tok/s", "roofline", "serial", "vs HF", "exact",
+              "versions"]
+    shown = [h for h in header if (h != "device" or on_gpu) and (h != "reqs" or subset)]
     vs_hf = relative_to(results, "hf-transformers")
     rows = []
     for i, r in enumerate(results):
-        versions = " ".join(f"{k} {v}" for k, v in r.versions.items())
         engine = r.engine + (f" [{r.settings['label']}]" if r.settings.get("label") else "")
-        rows.append([r.workload, engine, r.dtype, str(r.threads), _fmt(r.output_tok_s),
-                     _fmt(r.total_tok_s), _fmt(r.req_s, ".2f"),
-                     _fmt(None if r.ttft_s is None else 1000 * r.ttft_s, ".0f"),
-                     _fmt(r.decode_tok_s), _pct(r.roofline_fraction), _pct(r.serial_fraction),
-                     _fmt(vs_hf.get(i), ".2f") + "x" if i in vs_hf else "-",
-                     "yes" if r.exact_output_lens else "NO", versions])
+        cells = dict(zip(header, [
+            r.workload, engine, r.dtype, r.device, str(r.threads) if r.device == "cpu" else "-",
+            str(r.num_requests), _fmt(r.output_tok_s), _fmt(r.total_tok_s), _fmt(r.req_s, ".2f"),
+            _fmt(None if r.ttft_s is None else 1000 * r.ttft_s, ".0f"), _fmt(r.decode_tok_s),
+            _pct(r.roofline_fraction), _pct(r.serial_fraction),
+            _fmt(vs_hf.get(i), ".2f") + "x" if i in vs_hf else "-",
+            "yes" if r.exact_output_lens else "NO",
+            " ".join(f"{k} {v}" for k, v in r.versions.items())]))
+        rows.append([cells[h] for h in shown])
     widths = [max(len(h), *(len(row[c]) for row in rows)) if rows else len(h)
-              for c, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+              for c, h in enumerate(shown)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(shown, widths)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
@@ -93,6 +101,59 @@ def _peer_token_notes(rows: list[SpecRow]) -> list[str]:
     return out
 
 
+def _eager_pair(r: BenchResult) -> tuple:
+    """What an --eager-too row shares with the row it is compared with."""
+    return (r.engine, r.workload, r.dtype, r.num_requests, r.settings.get("enable_prefix_caching"))
+
+
+def _eager_rows(results: list[BenchResult]) -> dict[tuple, BenchResult]:
+    return {_eager_pair(r): r for r in results
+            if r.settings.get("enforce_eager") and r.settings.get("executor") == "eager"}
+
+
+def speedups_over_eager(results: list[BenchResult]) -> None:
+    """Give each row of an --eager-too pair its executor's speedup over the eager run of
+    the same engine, workload, dtype, requests and prefix caching (settings
+    "speedup_over_eager": decode tok/s for W2, output tok/s otherwise)."""
+    eager = _eager_rows(results)
+    for r in results:
+        base = eager.get(_eager_pair(r))
+        if base is None or r.settings.get("enforce_eager"):
+            continue
+        v, b = _primary(r), _primary(base)
+        if v and b:
+            r.settings["speedup_over_eager"] = v / b
+
+
+def format_comparisons(results: list[BenchResult]) -> str:
+    """The ratios a reader looks for, spelt out: each executor over eager (--eager-too),
+    and every engine over HF transformers where HF ran a subset of the requests."""
+    lines = []
+    eager = _eager_rows(results)
+    for r in results:
+        speedup = r.settings.get("speedup_over_eager")
+        if speedup is None:
+            continue
+        base = eager[_eager_pair(r)]
+        what = "decode tok/s" if r.workload == "latency" else "output tok/s"
+        lines.append(f"{r.engine} {r.workload} {r.dtype} on {r.device}: "
+                     f"{r.settings.get('executor')} {_fmt(_primary(r))} vs eager "
+                     f"{_fmt(_primary(base))} {what}: {speedup:.2f}x")
+    hf = [r for r in results if r.engine == "hf-transformers" and "workload_subset" in r.settings]
+    for h in hf:
+        sub = h.settings["workload_subset"]
+        for r in results:
+            if r.engine == "hf-transformers" or (r.workload, r.dtype) != (h.workload, h.dtype):
+                continue
+            if not (_primary(r) and _primary(h)):
+                continue
+            lines.append(f"{r.label} on {r.workload} ({r.num_requests} requests) "
+                         f"{_fmt(_primary(r))} out tok/s vs HF transformers on the first "
+                         f"{sub['first_requests']} of {sub['of_requests']} requests "
+                         f"{_fmt(_primary(h))} out tok/s: {_primary(r) / _primary(h):.2f}x")
+    return "\n".join(lines)
+
+
 def format_bounds(results: list[BenchResult]) -> str:
     """One line per throughput workload and dtype: what its roofline and serial bound are
     made of (the "roofline" and "serial" columns are each engine's fraction of them)."""
@@ -132,6 +193,8 @@ def format_serving(results: list[BenchResult]) -> str:
 
 def format_machine(doc: dict[str, Any]) -> str:
     hw, m = doc["hardware"], doc["machine"]
+    if hw.get("device") == "cuda":
+        return _format_gpu(doc)
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in hw["matmul_gflops"].items())
     mv = ", ".join(f"{k} {v:.1f}" for k, v in hw["matvec_gbs"].items())
     cost = doc["model"]["cost"]
@@ -139,6 +202,20 @@ def format_machine(doc: dict[str, Any]) -> str:
             f"load average at start {m.get('load_average')}\n"
             f"measured: matmul peak GFLOP/s {peaks}; memory read {hw['memory_read_gbs']:.1f} GB/s; "
             f"torch matvec streams GB/s {mv}\n"
+            f"model: {doc['model']['name']}, {cost['gflop_per_prompt_token']:.3f} GFLOP per prompt "
+            f"token, {cost['gflop_per_output_token']:.3f} per generated token (+ attention)")
+
+
+def _format_gpu(doc: dict[str, Any]) -> str:
+    hw, m = doc["hardware"], doc["machine"]
+    n = hw.get("matmul_size")
+    peaks = ", ".join(f"{k} {v / 1e3:.0f}" for k, v in hw["matmul_gflops"].items())
+    cost = doc["model"]["cost"]
+    return (f"device: {m.get('gpu', hw.get('device_name'))} ({m.get('gpu_memory_gib')} GiB, "
+            f"compute capability {m.get('compute_capability')}), CUDA {m.get('cuda')}, "
+            f"torch {m.get('torch')}; host {m.get('cpu', '?')}, {m.get('cpu_count')} cores\n"
+            f"measured in {hw.get('seconds')} s: {n}^3 matmul TFLOP/s {peaks}; "
+            f"copy bandwidth {hw['memory_read_gbs']:.0f} GB/s (read + written)\n"
             f"model: {doc['model']['name']}, {cost['gflop_per_prompt_token']:.3f} GFLOP per prompt "
             f"token, {cost['gflop_per_output_token']:.3f} per generated token (+ attention)")
 

@@ -70,6 +70,7 @@ class BenchResult:
     serial_fraction: float | None = None  # of the serial bound (see roofline.py)
     serving: dict | None = None         # TTFT/TPOT/ITL/E2E percentiles of `bench serve`
     notes: str = ""
+    device: str = "cpu"                 # where the engine computed: cpu or cuda
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,7 +120,7 @@ def throughput_result(workload: Workload, run: ThroughputRun, runner: Runner) ->
         requested_output_tokens=sum(requested), output_tokens=out,
         exact_output_lens=run.output_lens == requested, elapsed_s=run.elapsed_s,
         output_tok_s=out / run.elapsed_s, total_tok_s=(prompt + out) / run.elapsed_s,
-        req_s=len(workload.requests) / run.elapsed_s)
+        req_s=len(workload.requests) / run.elapsed_s, device=_device(runner))
 
 
 def latency_result(workload: Workload, run: LatencyRun, runner: Runner) -> BenchResult:
@@ -132,4 +133,10 @@ def latency_result(workload: Workload, run: LatencyRun, runner: Runner) -> Bench
         num_requests=1, prompt_tokens=workload.requests[0].prompt_len,
         requested_output_tokens=requested, output_tokens=run.output_lens[-1],
         exact_output_lens=all(n == requested for n in run.output_lens),
-        ttft_s=statistics.median(run.ttft_s), decode_tok_s=statistics.median(run.decode_tok_s))
+        ttft_s=statistics.median(run.ttft_s), decode_tok_s=statistics.median(run.decode_tok_s),
+        device=_device(runner))
+
+
+def _device(runner: Runner) -> str:
+    """The runner's device; peers that run only on the CPU (llama.cpp) name none."""
+    return getattr(runner, "device", "cpu")

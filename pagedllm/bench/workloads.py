@@ -64,6 +64,26 @@ class Workload:
                 "output_tokens": self.num_output_tokens, "max_seq_len": self.max_seq_len}
 
 
+def first_requests(workload: Workload, n: int | None) -> Workload:
+    """The workload cut to its first n requests (all of them when n is None or not fewer),
+    each with its own prompt and output length, for a peer too slow to run them all; its
+    params say which subset it is."""
+    if n is None or n >= len(workload.requests):
+        return workload
+    if n < 1:
+        raise ValueError(f"a subset needs at least 1 request, got {n}")
+    total = len(workload.requests)
+    return Workload(workload.name, f"first {n} of: {workload.description}",
+                    workload.requests[:n],
+                    {**workload.params, "first_requests": n, "of_requests": total})
+
+
+def subset_label(workload: Workload) -> str:
+    """"first 64 of 256 requests" for a first_requests subset, else ""."""
+    p = workload.params
+    return f"first {p['first_requests']} of {p['of_requests']} requests" if "first_requests" in p else ""
+
+
 def _check_range(name: str, lo: int, hi: int) -> None:
     if not 1 <= lo <= hi:
         raise ValueError(f"{name} range must satisfy 1 <= min <= max, got {lo}..{hi}")
@@ -160,9 +180,15 @@ def spec_workload(family: str, tokenizer: Any, max_output_len: int = 256) -> Wor
     return Workload(family, desc, requests, params)
 
 
-def warmup_workload(seed: int = 12345, id_range: tuple[int, int] = TOKEN_ID_RANGE) -> Workload:
+def warmup_workload(seed: int = 12345, id_range: tuple[int, int] = TOKEN_ID_RANGE,
+                    device: str = "cpu") -> Workload:
     """A few short requests run before timing (lazy initialisation, compilation, caches).
 
-    Its token ids come from another seed, so it never warms the prefix cache for W3.
+    Its token ids come from another seed, so it never warms the prefix cache for W3. On
+    CUDA it is 16 requests of up to 1024 prompt tokens (a second of GPU time): the Triton
+    kernels compile for each shape class they meet, and prompts over one step's budget,
+    prefix chunks and decode batches beyond 8 rows should meet theirs before the clock runs.
     """
+    if device == "cuda":
+        return random_workload("warmup", 16, (16, 1024), (4, 24), seed, id_range)
     return random_workload("warmup", 2, (16, 48), (4, 8), seed, id_range)

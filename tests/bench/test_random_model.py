@@ -11,7 +11,8 @@ FAMILY_OF = {"qwen3-0.6b": "qwen3", "qwen3-1.7b": "qwen3", "llama-3.2-1b": "llam
              "llama-3.2-3b": "llama", "llama-3-8b": "llama", "qwen3-30b-a3b": "qwen3_moe",
              "qwen2.5-0.5b": "qwen2", "mistral-7b-8layers": "mistral",
              "phi-4-mini-8layers": "phi3", "gemma-3-1b": "gemma3", "gemma-2-2b": "gemma2",
-             "qwen3-30b-a3b-4layers": "qwen3_moe", "mixtral-8x7b-2layers": "mixtral"}
+             "qwen3-30b-a3b-4layers": "qwen3_moe", "mixtral-8x7b-2layers": "mixtral",
+             "qwen3-tiny": "qwen3"}
 
 
 @pytest.mark.parametrize("preset", sorted(random_model.PRESETS))
