@@ -52,7 +52,7 @@ else
     HF=(--hf-num-prompts 64 --hf-batch-sizes 64)
     # One stream: graphs for batch sizes up to 16 are all W2 uses (fewer to capture).
     W2=(--max-num-seqs 16 --max-model-len 4096 --latency-iters 3)
-    MAKE_S=90 W1_S=200 W2_S=90
+    MAKE_S=60 W1_S=180 W2_S=80
     # The CUDA path never asks for the C++ CPU kernels (tests/gpu checks that); this only
     # keeps a timed run from spending its minutes on a build if a change ever did.
     export PAGEDLLM_CPU_KERNELS=${PAGEDLLM_CPU_KERNELS:-0}
