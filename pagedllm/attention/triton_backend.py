@@ -38,24 +38,46 @@ FEATURES = frozenset({"sliding_window", "logit_softcap"})
 LOG2E = 1.4426950408889634
 
 # Prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) by (element bytes, padded
-# head_dim). Shared memory holds the Q tile (BLOCK_M * D * bytes) and, per pipeline stage,
-# a K and a V tile (2 * BLOCK_N * D * bytes); every entry stays at or under 128 KB (H100
-# and A100 allow 227 / 163 KB per block). fp32 runs "ieee" dots on the FMA units, which
-# want smaller tiles than the tensor cores.
+# head_dim). Shared memory holds the Q tile and, per pipeline stage, a K and a V tile; fp32
+# runs "ieee" dots on the FMA units, which want smaller tiles than the tensor cores. Each
+# entry was compiled for sm_90 here (triton's ptxas, 16-byte-aligned strides as the JIT
+# sees them): registers / shared memory, no spills; the bf16 / fp16 ones are the
+# FlashAttention tutorial's shapes, not yet timed on a GPU (scripts/gpu_attention_bench.py
+# sweeps a few).
 PREFILL_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (2, 16): (128, 64, 4, 3), (2, 32): (128, 64, 4, 3),
-    (2, 64): (128, 64, 4, 3),     # Q 16 KB + 3 x 16 KB
-    (2, 128): (128, 64, 8, 2),    # Q 32 KB + 2 x 32 KB
-    (2, 256): (64, 32, 4, 2),     # Q 32 KB + 2 x 32 KB
-    (4, 16): (64, 32, 4, 2), (4, 32): (64, 32, 4, 2),
-    (4, 64): (64, 32, 4, 2),      # Q 16 KB + 2 x 16 KB
-    (4, 128): (32, 32, 4, 2),     # Q 16 KB + 2 x 32 KB
-    (4, 256): (32, 16, 4, 2),     # Q 32 KB + 2 x 32 KB
+    (2, 16): (128, 64, 8, 3), (2, 32): (128, 64, 8, 3),
+    (2, 64): (128, 64, 8, 3),     # 152 regs, 64 KB
+    (2, 128): (128, 64, 8, 2),    # 231 regs, 96 KB
+    (2, 256): (64, 32, 8, 2),     # 202 regs, 96 KB
+    (4, 16): (32, 32, 4, 2), (4, 32): (32, 32, 4, 2),
+    (4, 64): (32, 32, 4, 2),      # 114 regs, 28 KB
+    (4, 128): (32, 32, 8, 2),     # 106 regs, 52 KB (4 warps: 255 regs + 800 B spilled)
+    (4, 256): (32, 16, 8, 2),     # 156 regs, 66 KB
+}
+# Decode (BLOCK_N keys per iteration, num_warps) by (element bytes, padded head_dim); the
+# GQA group is padded to 16 query rows. Same check as above: no spills.
+DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 16): (64, 4), (2, 32): (64, 4), (2, 64): (64, 4),
+    (2, 128): (64, 4),            # 124 regs, 38 KB
+    (2, 256): (32, 4),            # 160 regs, 41 KB
+    (4, 16): (32, 4), (4, 32): (32, 4),
+    (4, 64): (32, 4),             # 80 regs
+    (4, 128): (32, 8),            # 80 regs (4 warps: 255 regs + 456 B spilled)
+    (4, 256): (16, 4),            # 168 regs, 49 KB
 }
 
 
+def _tile_key(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    return (4 if dtype == torch.float32 else 2, _padded(head_dim))
+
+
 def prefill_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    return PREFILL_TILES[(4 if dtype == torch.float32 else 2, _padded(head_dim))]
+    return PREFILL_TILES[_tile_key(dtype, head_dim)]
+
+
+def decode_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the decode split kernel; SPLIT is a multiple of BLOCK_N."""
+    return DECODE_TILES[_tile_key(dtype, head_dim)]
 
 
 def decode_split(head_dim: int) -> int:
@@ -64,14 +86,6 @@ def decode_split(head_dim: int) -> int:
     enough work per program; one sequence of 4096 tokens with 8 KV heads makes 128
     programs (an H100 has 132 SMs)."""
     return 256 if head_dim <= 128 else 512
-
-
-def decode_block_n(dtype: torch.dtype, head_dim: int) -> int:
-    """Keys per decode iteration (a K tile of BLOCK_N x head_dim; SPLIT is a multiple)."""
-    wide = _padded(head_dim) > 128
-    if dtype == torch.float32:
-        return 16 if wide else 32
-    return 32 if wide else 64
 
 
 def _padded(head_dim: int) -> int:
@@ -351,6 +365,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     split = decode_split(head_dim)
+    block_n, num_warps = decode_tiles(q.dtype, head_dim)
     d_p2 = _padded(head_dim)
     num_splits = triton.cdiv(ctx.block_tables.shape[1] * block_size, split)
     m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -364,9 +379,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_P2=d_p2, BLOCK_SIZE=block_size,
-        BLOCK_N=decode_block_n(q.dtype, head_dim), SPLIT=split,
+        BLOCK_N=block_n, SPLIT=split,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=2)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         m, l, acc, o, ctx.context_lens, num_splits, window or 0, o.stride(0), o.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_P2=d_p2, SPLIT=split,

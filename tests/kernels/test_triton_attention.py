@@ -285,7 +285,11 @@ from pagedllm.attention import triton_backend as tb
 def build(fn, ptrs, consts, num_warps, num_stages, arch):
     sig = {n: "constexpr" if n in consts else "*" + ptrs[n] if n in ptrs
            else "fp32" if n in ("qk_scale", "cap_log2e") else "i32" for n in fn.arg_names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    # as the JIT specialises them: 16-byte-aligned pointers and head strides
+    aligned = [(i,) for i, n in enumerate(fn.arg_names)
+               if arch == 90 and (n.endswith("_ptr") or n in ("c_sb", "c_st", "c_sh"))]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts,
+                                    attrs={i: [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -299,12 +303,13 @@ for arch, t, hd, group, feats in [(90, "bf16", 128, 2, False), (90, "fp32", 256,
               o_ptr=t, cu_seqlens_q_ptr=i64, cu_seqlens_k_ptr=i64, block_tables_ptr=i64),
               dict(GROUP=group, HEAD_DIM=hd, D_P2=d_p2, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn,
                    **opts), nw, ns, arch)
+    block_n, warps = tb.decode_tiles(dtype, hd)
     s = build(tb._decode_split_kernel, dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t,
               m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32", context_lens_ptr=i64,
               block_tables_ptr=i64),
               dict(NUM_HEADS=8 * group, GROUP=group, GROUP_P2=16, HEAD_DIM=hd, D_P2=d_p2,
-                   BLOCK_SIZE=16, BLOCK_N=tb.decode_block_n(dtype, hd),
-                   SPLIT=tb.decode_split(hd), **opts), 4, 2, arch)
+                   BLOCK_SIZE=16, BLOCK_N=block_n, SPLIT=tb.decode_split(hd), **opts),
+              warps, 2, arch)
     r = build(tb._decode_reduce_kernel, dict(m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32",
               o_ptr=t, context_lens_ptr=i64),
               dict(NUM_HEADS=8 * group, HEAD_DIM=hd, D_P2=d_p2, SPLIT=tb.decode_split(hd),
