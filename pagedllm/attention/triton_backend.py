@@ -68,6 +68,8 @@ DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {
 
 
 def _tile_key(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    if head_dim > 256:
+        raise ValueError(f"the triton attention kernels take head_dim <= 256, got {head_dim}")
     return (4 if dtype == torch.float32 else 2, _padded(head_dim))
 
 
