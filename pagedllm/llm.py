@@ -113,7 +113,7 @@ class LLM:
         try:
             while len(finished) < len(request_ids):
                 t = time.perf_counter()
-                outputs = engine.step()
+                outputs = engine.step(final_only=True)
                 seconds = time.perf_counter() - t
                 step = engine.last_step
                 if step.num_seqs:

@@ -167,7 +167,10 @@ def _online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised on (Triton compiles a
+# variant per "equals 1" / "divisible by 16" pattern of its integer arguments; a variant
+# first met mid-run costs a compile of a second or more inside a timed step).
+@triton.jit(do_not_specialize=["bt_stride", "first_row"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
                     cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr, bt_stride, first_row,
                     qk_scale, cap_log2e, window,
@@ -246,7 +249,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride", "num_splits"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
                          context_lens_ptr, block_tables_ptr, bt_stride, num_splits,
                          qk_scale, cap_log2e, window, q_ss, q_sh, c_sb, c_st, c_sh,
@@ -296,7 +299,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
     tl.store(acc_ptr + part[:, None] * D_P2 + offs_d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, context_lens_ptr, num_splits, window,
                           o_ss, o_sh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           D_P2: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr):

@@ -298,8 +298,10 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of the requests it advanced.
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of the requests it advanced (with
+        final_only, of those it finished: LLM.generate's case, which need not copy every
+        running request's tokens and text into an output on every step).
 
         An exception inside the batch (model, sampler, one request's detokenizer) ends only
         the requests it touched, with finish reason "error". An exception in the scheduler or
@@ -363,7 +365,8 @@ class LLMEngine:
             else:
                 advanced[seq.request_id] = self._process_new_tokens(seq, length)
                 self.num_generation_tokens += len(seq) - length
-        outputs = [self._output(state) for state in advanced.values()]
+        outputs = [self._output(state) for state in advanced.values()
+                   if not final_only or state.finished]
         self.kv_stats.step(self.scheduler, sample=self.config.check_invariants)
         self._check_invariants("after the step")
         self.last_step = StepStats(batch.num_prefill_tokens > 0, len(batch), batch.num_tokens,

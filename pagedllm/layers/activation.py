@@ -20,6 +20,13 @@ class SiluAndMul(CustomOp):
             return self.forward_native(x)
         return ops.silu_and_mul(x)
 
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """The same in one Triton kernel for 16-bit activations (layers/triton_ops.py)."""
+        from pagedllm.layers import triton_ops
+        if x.dim() != 2 or not triton_ops.takes(x):
+            return self.forward_native(x)
+        return triton_ops.silu_and_mul(x)
+
 
 class GeluAndMul(CustomOp):
     """gelu(gate) * up, GELU's tanh approximation (Gemma's GeGLU, HF's gelu_pytorch_tanh)."""

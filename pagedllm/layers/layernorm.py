@@ -44,6 +44,16 @@ class RMSNorm(CustomOp):
         return out, residual
 
 
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The same in one Triton kernel for 16-bit activations (layers/triton_ops.py)."""
+        from pagedllm.layers import triton_ops
+        if (not triton_ops.takes(x) or self.weight.dtype != x.dtype or x.dim() not in (2, 3)
+                or (residual is not None and (x.dim() != 2 or residual.stride(-1) != 1))):
+            return self.forward_native(x, residual)
+        return triton_ops.rms_norm(x, self.weight, self.eps, residual)
+
+
 class GemmaRMSNorm(CustomOp):
     """Gemma's RMSNorm: the weight is stored as an offset from 1, and the product is taken
     in fp32 before rounding once to the input's dtype (as HF's Gemma2/Gemma3RMSNorm; Llama's

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.attention.context import get_context
 from pagedllm.kernels import ops
-from pagedllm.layers.custom_op import uses_cpu_kernels
+from pagedllm.layers.custom_op import uses_cpu_kernels, uses_cuda_kernels
 
 
 def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -95,8 +95,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         # chosen once: an instance attribute, no per-call check
-        self.rotate = (self.rotate_cpu if uses_cpu_kernels() and self.plain
-                       else self.rotate_native)
+        if self.plain and uses_cpu_kernels():
+            self.rotate = self.rotate_cpu
+        elif self.plain and uses_cuda_kernels():
+            self.rotate = self.rotate_cuda
+        else:
+            self.rotate = self.rotate_native
 
     @property
     def plain(self) -> bool:
@@ -137,6 +141,13 @@ class RotaryEmbedding(nn.Module):
         ops.rotary_embedding(positions, x, self.cos_cache, self.sin_cache)
         return x
 
+    def rotate_cuda(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The same by one Triton kernel, in place, for 16-bit x (layers/triton_ops.py)."""
+        from pagedllm.layers import triton_ops
+        if not triton_ops.takes(x):
+            return self.rotate_native(positions, x)
+        return triton_ops.rotary_(positions, x, self.cos_cache, self.sin_cache)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] rotated by their positions [T]."""
@@ -148,8 +159,8 @@ def _row_lengths(positions: torch.Tensor) -> torch.Tensor:
     step's attention context; without one (a plain forward), the batch's longest."""
     ctx = get_context()
     if ctx.seqlens_q is not None and ctx.seqlens_k is not None:
-        lens = torch.tensor(ctx.seqlens_k)
-        return lens.repeat_interleave(torch.tensor(ctx.seqlens_q))
+        lens = torch.tensor(ctx.seqlens_k).repeat_interleave(torch.tensor(ctx.seqlens_q))
+        return lens.to(positions.device, non_blocking=True)
     if ctx.context_lens is not None and len(ctx.context_lens) == len(positions):
         return ctx.context_lens
     return (positions.max() + 1).expand(len(positions))
