@@ -155,6 +155,19 @@ def _scores(qk, qk_scale, cap_log2e, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _load_paged_kv(k_cache_ptr, v_cache_ptr, table, tok, valid, kv_head, c_sb, c_st, c_sh,
+                   offs_d, d_mask, BLOCK_SIZE: tl.constexpr):
+    """K and V [len(tok), D] of cached positions tok through a sequence's block table
+    (zeros where not valid: entries there may be -1 and are never read)."""
+    block = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0)
+    row = block * c_sb + (tok % BLOCK_SIZE) * c_st + kv_head * c_sh
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
     """Fold scores s [M, N] (log2 units, masked = -inf) and values v [N, D] into the running
     (max, sum, acc). A row that has seen only masked keys keeps m = -inf without NaN."""
@@ -209,11 +222,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     for n0 in range(lo - lo % BLOCK_N, prefix, BLOCK_N):
         tok = n0 + offs_n
         readable = (tok >= lo) & (tok < prefix)       # table entries before lo may be -1
-        block = tl.load(table + tok // BLOCK_SIZE, mask=readable, other=0)
-        row = block * c_sb + (tok % BLOCK_SIZE) * c_st + kv_head * c_sh
-        kv_mask = readable[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table, tok, readable, kv_head,
+                              c_sb, c_st, c_sh, offs_d, d_mask, BLOCK_SIZE)
         s = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale,
                     cap_log2e, HAS_SOFTCAP)
         visible = readable[None, :]
@@ -284,11 +294,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
     for n0 in range(lo - lo % BLOCK_N, hi, BLOCK_N):
         tok = n0 + offs_n
         valid = (tok >= lo) & (tok < hi)     # table entries before a window may be -1
-        block = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0)
-        row = block * c_sb + (tok % BLOCK_SIZE) * c_st + kv_head * c_sh
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table, tok, valid, kv_head,
+                              c_sb, c_st, c_sh, offs_d, d_mask, BLOCK_SIZE)
         s = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale,
                     cap_log2e, HAS_SOFTCAP)
         s = tl.where(valid[None, :], s, float("-inf"))

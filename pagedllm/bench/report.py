@@ -197,27 +197,29 @@ def format_machine(doc: dict[str, Any]) -> str:
         return _format_gpu(doc)
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in hw["matmul_gflops"].items())
     mv = ", ".join(f"{k} {v:.1f}" for k, v in hw["matvec_gbs"].items())
-    cost = doc["model"]["cost"]
     return (f"machine: {m.get('cpu', '?')}, {m.get('cpu_count')} cores, {hw['threads']} threads, "
             f"load average at start {m.get('load_average')}\n"
             f"measured: matmul peak GFLOP/s {peaks}; memory read {hw['memory_read_gbs']:.1f} GB/s; "
-            f"torch matvec streams GB/s {mv}\n"
-            f"model: {doc['model']['name']}, {cost['gflop_per_prompt_token']:.3f} GFLOP per prompt "
-            f"token, {cost['gflop_per_output_token']:.3f} per generated token (+ attention)")
+            f"torch matvec streams GB/s {mv}\n" + _model_line(doc))
 
 
 def _format_gpu(doc: dict[str, Any]) -> str:
     hw, m = doc["hardware"], doc["machine"]
     n = hw.get("matmul_size")
     peaks = ", ".join(f"{k} {v / 1e3:.0f}" for k, v in hw["matmul_gflops"].items())
-    cost = doc["model"]["cost"]
     return (f"device: {m.get('gpu', hw.get('device_name'))} ({m.get('gpu_memory_gib')} GiB, "
             f"compute capability {m.get('compute_capability')}), CUDA {m.get('cuda')}, "
             f"torch {m.get('torch')}; host {m.get('cpu', '?')}, {m.get('cpu_count')} cores\n"
             f"measured in {hw.get('seconds')} s: {n}^3 matmul TFLOP/s {peaks}; "
             f"copy bandwidth {hw['memory_read_gbs']:.0f} GB/s (read + written)\n"
-            f"model: {doc['model']['name']}, {cost['gflop_per_prompt_token']:.3f} GFLOP per prompt "
-            f"token, {cost['gflop_per_output_token']:.3f} per generated token (+ attention)")
+            + _model_line(doc))
+
+
+def _model_line(doc: dict[str, Any]) -> str:
+    cost = doc["model"]["cost"]
+    return (f"model: {doc['model']['name']}, {cost['gflop_per_prompt_token']:.3f} GFLOP per "
+            f"prompt token, {cost['gflop_per_output_token']:.3f} per generated token "
+            "(+ attention)")
 
 
 def write_json(doc: dict[str, Any], path: str) -> None:

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, TypeVar
 import numpy as np
 import torch
 
+from pagedllm import memory
 from pagedllm.attention.context import get_context, reset_context, set_context
 from pagedllm.attention.dispatch import load_backend, resolve_backend
 from pagedllm.config import EngineConfig
@@ -220,7 +221,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return GpuProfile(total=total, used=total - free, peak_activations=peak,
-                          num_tokens=num_tokens, weights=_model_bytes(self.model))
+                          num_tokens=num_tokens, weights=memory.resident_bytes(self.model))
 
     def _choose_executors(self) -> None:
         """Besides the model's forward: CUDA graphs of decode steps on CUDA, the one-call
@@ -375,9 +376,7 @@ class ModelRunner:
         """A host list as a tensor on the device: on CUDA through pinned memory, copied
         asynchronously (the step's kernels queue behind the copy, the host goes on)."""
         t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return t if self.device.type == "cpu" else _pinned_upload(t, self.device)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -618,14 +617,6 @@ class ModelRunner:
         destroy_distributed()
         atexit.unregister(self.shutdown)
         logger.info("tensor parallel: workers stopped")
-
-
-def _model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (tied tensors once)."""
-    seen: dict[int, int] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
-    return sum(seen.values())
 
 
 def _pinned_upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
