@@ -11,6 +11,7 @@ Where the kernel or platform says no, these are plain tensors: same results, onl
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 from pathlib import Path
 
@@ -108,11 +109,6 @@ def collapse_to_huge_pages(ranges: list[tuple[int, int]]) -> int:
     cannot)."""
     if not ranges or not huge_pages_available():
         return 0
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     spans: list[list[int]] = []
     for start, nbytes in sorted(ranges):
         if spans and start - spans[-1][1] <= 64 * 1024:
@@ -123,12 +119,30 @@ def collapse_to_huge_pages(ranges: list[tuple[int, int]]) -> int:
     for start, end in spans:
         first = cdiv(start, HUGE_PAGE) * HUGE_PAGE
         last = end // HUGE_PAGE * HUGE_PAGE
-        if last <= first:
-            continue
-        if madvise(first, last - first, _MADV_HUGEPAGE) == 0 and \
-                madvise(first, last - first, _MADV_COLLAPSE) == 0:
+        if last > first and collapse_errno(first, last - first) == 0:
             collapsed += last - first
     return collapsed
+
+
+def collapse_errno(address: int, nbytes: int, tries: int = 3) -> int:
+    """MADV_HUGEPAGE then MADV_COLLAPSE on a 2 MiB-aligned range: 0 on success, else the
+    errno (EAGAIN and ENOMEM: the kernel found no free 2 MiB pages just then, which
+    fragmented memory makes common; EAGAIN is retried, as the kernel's documentation
+    suggests; EINVAL: a kernel before 6.1)."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return errno.ENOSYS
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if madvise(address, nbytes, _MADV_HUGEPAGE) != 0:
+        return ctypes.get_errno()
+    for _ in range(tries):
+        if madvise(address, nbytes, _MADV_COLLAPSE) == 0:
+            return 0
+        err = ctypes.get_errno()
+        if err != errno.EAGAIN:
+            return err
+    return err
 
 
 def release_free_memory() -> None:
