@@ -1,4 +1,4 @@
-"""A bf16 decode step on the CPU as one C++ call (kernels/csrc/decode_stack.cpp), beside
+"""A bf16 or fp32 decode step on the CPU as one C++ call (kernels/csrc/decode_stack.cpp), beside
 cuda_graph.py's replayed decode steps: the model runner picks, per step, the model's forward,
 a CUDA graph or this stack.
 
@@ -20,9 +20,12 @@ their descriptions, not in the C++ loop. It applies to:
   context, some longer and some not, run op by op);
 - mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): the router's
   torch softmax and top-k, then moe_experts;
-on the cpu_paged backend, one tensor-parallel rank, with bf16 weights or GGUF ones kept
-quantized. A step with a cascade (a prefix several rows share) runs op by op where some
-layer takes a window or soft-cap in it (those take no cascade).
+on the cpu_paged backend, one tensor-parallel rank. bf16 activations (AVX512-BF16 CPUs) with
+bf16 weights or GGUF ones kept quantized; fp32 activations (what `--dtype auto` gives GGUF
+files and HF directories on CPUs without AVX512-BF16, e.g. AVX2-only AMD Zen 2/3 and most
+laptops) with fp32 weights (torch's linear) or GGUF ones, Gemma excepted. A step with a cascade (a prefix
+several rows share) runs op by op where some layer takes a window or soft-cap in it (those
+take no cascade), and in fp32 (the cascade kernel is bf16).
 
 Its per-model arguments are gathered once (~0.65 ms for SmolLM2) and checked each step by
 identity (~12 us), so a forward hook put on a layer (the step then runs op by op, and the
@@ -42,7 +45,8 @@ from pagedllm.kernels import ops, probes
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.linear_methods import OneDNNLinearMethod, PackedBf16LinearMethod
+from pagedllm.layers.linear_methods import (OneDNNLinearMethod, PackedBf16LinearMethod,
+                                            TorchLinearMethod)
 from pagedllm.layers.moe import FusedMoE
 from pagedllm.models.gemma import GemmaDecoderLayer, GemmaMLP, GemmaModel
 from pagedllm.models.llama import MLP, DecoderLayer, DecoderModel
@@ -52,19 +56,24 @@ from pagedllm.models.qwen3_moe import SparseMoeBlock
 _NORM_KINDS: dict[type, bool] = {RMSNorm: False, GemmaRMSNorm: True}
 
 
-def _stack_linear(m: LinearBase) -> object | None:
-    """The stack's description of a linear (kernels/csrc/ops.h StackLinear), None where its
-    method is not one the stack runs: pagedllm's packed bf16 kernel, oneDNN's (with the
-    weight-streaming and AMX kernels for few rows), or GGUF parts kept quantized."""
+def _stack_linear(m: LinearBase, dtype: torch.dtype) -> object | None:
+    """The stack's description of a linear of rows in dtype (kernels/csrc/ops.h
+    StackLinear), None where its method is not one the stack runs: GGUF parts kept
+    quantized; for bf16, pagedllm's packed kernel or oneDNN's (with the weight-streaming and
+    AMX kernels for few rows); for fp32, torch's linear."""
     bias = m.bias
+    if bias is not None and bias.dtype != dtype:
+        return None
     if m.gguf_parts is not None:
-        if bias is not None and bias.dtype != torch.bfloat16:
-            return None
         return ops.stack_linear(m.weight, m.weight, [p.packed for p in m.gguf_parts],
                                 [int(p.qtype) for p in m.gguf_parts],
                                 [p.stop - p.start for p in m.gguf_parts], bias)
-    if m.weight.dtype != torch.bfloat16 or not m.weight.is_contiguous():
+    if m.weight.dtype != dtype or not m.weight.is_contiguous():
         return None
+    if dtype == torch.float32:
+        if not isinstance(m.linear_method, TorchLinearMethod):
+            return None
+        return ops.stack_linear(m.weight, m.weight, [], [], [], bias)
     if isinstance(m.linear_method, PackedBf16LinearMethod):
         return ops.stack_linear(m.weight, m.packed_weight, [], [], [], bias)
     if isinstance(m.linear_method, OneDNNLinearMethod):
@@ -93,7 +102,8 @@ class _StackArgs:
     from a packing that takes any row count (without one, a linear can only take the
     weight-streaming kernel: up to probes.small_linear_rows() rows)."""
 
-    def __init__(self, model: DecoderModel | GemmaModel) -> None:
+    def __init__(self, model: DecoderModel | GemmaModel, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the rows': bf16, or fp32
         self.layers: list[nn.Module] = list(model.layers)
         self.eps: float = model.norm.eps
         self.stack_layers: list[object] = []
@@ -109,7 +119,7 @@ class _StackArgs:
         self.packed = [m.packed_weight for m in self.linears]
         self.parts = [m.gguf_parts for m in self.linears]
         self.all_packed = all(m.packed_weight is not None or m.gguf_parts is not None
-                              for m in self.linears)
+                              or self.dtype == torch.float32 for m in self.linears)
         self.k_caches = [a.k_cache for a in self.attns]
         self.v_caches = [a.v_cache for a in self.attns]
 
@@ -124,9 +134,9 @@ class _StackArgs:
                 and all(e.kernel_experts() is d for e, d in self.experts))
 
     @staticmethod
-    def gather(model: DecoderModel | GemmaModel) -> _StackArgs | None:
+    def gather(model: DecoderModel | GemmaModel, dtype: torch.dtype) -> _StackArgs | None:
         """The arguments, or None where the stack does not apply."""
-        args = _StackArgs(model)
+        args = _StackArgs(model, dtype)
         for layer in args.layers:
             described = args._layer(layer)
             if described is None:
@@ -134,7 +144,7 @@ class _StackArgs:
             args.stack_layers.append(described)
         final = model.norm
         if (_NORM_KINDS.get(type(final)) != _NORM_KINDS[type(args.layers[0].input_layernorm)]
-                or final.weight.dtype != torch.bfloat16):
+                or final.weight.dtype != dtype):
             return None
         args.finish()
         return args
@@ -149,7 +159,7 @@ class _StackArgs:
         if options is None or block.qkv_proj.tp_size != 1 or not attn.k_cache.numel():
             return None
         norms = self._norms(layer)
-        qkv, o = _stack_linear(block.qkv_proj), _stack_linear(block.o_proj)
+        qkv, o = _stack_linear(block.qkv_proj, self.dtype), _stack_linear(block.o_proj, self.dtype)
         feed_forward = self._feed_forward(layer.mlp)
         if norms is None or qkv is None or o is None or feed_forward is None:
             return None
@@ -169,7 +179,8 @@ class _StackArgs:
 
     def _norms(self, layer: nn.Module) -> dict[str, object] | None:
         """The layer's norm weights by their StackLayer names and unit_offset_norms; None
-        unless they are all of one kind the stack runs, bf16, with the model's eps."""
+        unless they are all of one kind the stack runs, in the rows' dtype, with the model's
+        eps."""
         block = layer.self_attn
         norms = {"input_norm": layer.input_layernorm,
                  "post_attn_norm": layer.post_attention_layernorm}
@@ -180,7 +191,7 @@ class _StackArgs:
             norms.update(q_norm=block.q_norm, k_norm=block.k_norm)
         kinds = {_NORM_KINDS.get(type(n)) for n in norms.values()}
         if (len(kinds) != 1 or None in kinds
-                or any(n.weight.dtype != torch.bfloat16 or n.eps != self.eps
+                or any(n.weight.dtype != self.dtype or n.eps != self.eps
                        for n in norms.values())):
             return None
         return {**{name: n.weight for name, n in norms.items()}, "unit_offset_norms": kinds.pop()}
@@ -189,7 +200,8 @@ class _StackArgs:
         """{"mlp": a dense MLP's description} or {"moe": a mixture of experts'}; None where
         the stack does not run the block."""
         if type(mlp) in (MLP, GemmaMLP):
-            gate_up, down = _stack_linear(mlp.gate_up_proj), _stack_linear(mlp.down_proj)
+            gate_up = _stack_linear(mlp.gate_up_proj, self.dtype)
+            down = _stack_linear(mlp.down_proj, self.dtype)
             if gate_up is None or down is None:
                 return None
             self.linears += [mlp.gate_up_proj, mlp.down_proj]
@@ -198,7 +210,7 @@ class _StackArgs:
             return None
         experts = mlp.experts
         described = experts.kernel_experts()
-        router = _stack_linear(mlp.gate)
+        router = _stack_linear(mlp.gate, self.dtype)
         if (described is None or router is None or experts.tp_size != 1
                 or experts.forward != experts.forward_grouped):
             return None
@@ -206,7 +218,8 @@ class _StackArgs:
                       top_k=experts.top_k, renormalize=experts.renormalize,
                       weights_in_fp32=experts.weights_in_fp32)
         if mlp.shared_expert is not None:
-            shared, gate = self._feed_forward(mlp.shared_expert), _stack_linear(mlp.shared_expert_gate)
+            shared = self._feed_forward(mlp.shared_expert)
+            gate = _stack_linear(mlp.shared_expert_gate, self.dtype)
             if shared is None or gate is None:
                 return None
             self.linears.append(mlp.shared_expert_gate)
@@ -219,19 +232,36 @@ class _StackArgs:
 class CpuDecodeStack:
     """The one-call decode executor of a decoder model (models/llama.py's or gemma.py's)."""
 
-    def __init__(self, model: DecoderModel | GemmaModel) -> None:
+    def __init__(self, model: DecoderModel | GemmaModel, dtype: torch.dtype) -> None:
         self.model = model
+        self.dtype = dtype
         self.args: _StackArgs | None = None  # gathered at the first step it runs
 
     @staticmethod
+    def runs_here(dtype: torch.dtype) -> bool:
+        """Whether this CPU and build run the stack for activations of dtype: bf16 where the
+        AVX512-BF16 linears run; fp32 where the elementwise kernels are vector code (AVX-512
+        or AVX2: laptops and AMD Zen 2/3 too), its linears torch's or GGUF ones."""
+        if dtype == torch.bfloat16:
+            return probes.has_avx512_bf16()
+        return dtype == torch.float32 and probes.elementwise_vectorized()
+
+    @staticmethod
     def for_model(model: nn.Module, dtype: torch.dtype) -> CpuDecodeStack | None:
-        """The executor for a CPU model, or None where it can never apply: not bf16, no
-        AVX512-BF16 kernels, or not one of the decoders it describes."""
+        """The executor for a CPU model, or None where it can never apply: not runs_here,
+        not one of the decoders it describes; in fp32, Gemma (its norms keep torch's ops in
+        fp32, HF's own) or a mixture of experts whose experts are not GGUF ones (moe_experts
+        takes fp32 rows over those only)."""
         decoder = getattr(model, "model", None)
-        if dtype != torch.bfloat16 or not probes.has_avx512_bf16() \
+        if not CpuDecodeStack.runs_here(dtype) \
                 or not isinstance(decoder, (DecoderModel, GemmaModel)):
             return None
-        return CpuDecodeStack(decoder)
+        if dtype == torch.float32 and (
+                isinstance(decoder, GemmaModel)
+                or any(isinstance(m, FusedMoE) and m.gguf_experts is None
+                       for m in decoder.modules())):
+            return None
+        return CpuDecodeStack(decoder, dtype)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context
             ) -> torch.Tensor | None:
@@ -241,7 +271,7 @@ class CpuDecodeStack:
             return None
         args = self.args
         if args is None or not args.current():
-            args = _StackArgs.gather(self.model)
+            args = _StackArgs.gather(self.model, self.dtype)
             if args is None:  # (the last arguments gathered stay, to be checked next step)
                 return None
             self.args = args
@@ -263,7 +293,7 @@ class CpuDecodeStack:
         prefix_blocks, prefix_first = None, -1
         if plan.prefixes:  # cascade: one prefix shared by every row, on the attention kernel
             if (any(uncascaded) or len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None
-                    or not cpu_paged.attention_kernel(torch.bfloat16, first.head_dim)):
+                    or not cpu_paged.attention_kernel(self.dtype, first.head_dim)):
                 return None
             prefix = plan.prefixes[0]
             prefix_blocks = prefix.blocks

@@ -78,13 +78,19 @@ def paged_attention_scores() -> str:
 
 
 @functools.cache
+def elementwise_isa() -> str:
+    """What the fused elementwise kernels (RMSNorm, SiLU-and-mul, rotary, argmax) run on:
+    'avx512', 'avx2' (with FMA and F16C) or 'scalar' ('' where the kernels are not built)."""
+    ext = build.load()
+    return "" if ext is None else ext.elementwise_isa()
+
+
 def elementwise_vectorized() -> bool:
-    """The fused elementwise kernels (RMSNorm, SiLU/GELU-and-mul, rotary) are AVX-512 code,
-    rounding where torch's ops round. A build without AVX-512 (AVX2-only CPUs: AMD Zen 2/3,
-    most laptops) has only their scalar loops, which sum and exponentiate in another order
-    (fp32 logits of a random Llama drifted 1.7e-4 from HF's) and are no faster than torch's
-    own vectorized ops; there the layers take torch's."""
-    return paged_attention_scores() in ("avx512", "avx512_bf16")
+    """The fused elementwise kernels are vector code (AVX-512 or AVX2), rounding where
+    torch's ops round. A build with neither has only their scalar loops, which sum and
+    exponentiate in another order (fp32 logits of a random Llama drifted 1.7e-4 from HF's)
+    and are no faster than torch's own vectorized ops; there the layers take torch's."""
+    return elementwise_isa() in ("avx512", "avx2")
 
 
 def cpu_has_native_bf16() -> bool:

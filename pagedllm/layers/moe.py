@@ -194,8 +194,8 @@ class FusedMoE(nn.Module):
         return (weights if self.weights_in_fp32 else weights.to(x.dtype)), ids
 
     def forward_grouped(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Each routed-to expert once, over the rows routed to it: in one C++ call for bf16
-        rows where the kernels run (the same results), else expert by expert here."""
+        """Each routed-to expert once, over the rows routed to it: in one C++ call for the
+        rows it takes where the kernels run (the same results), else expert by expert here."""
         weights, ids = self._routing(x, router_logits)
         experts = self._cpu_experts(x)
         if experts is not None:
@@ -224,8 +224,9 @@ class FusedMoE(nn.Module):
 
     def _cpu_experts(self, x: torch.Tensor) -> tuple[list, list, int] | None:
         """moe_experts' arguments after the rows (kernel_experts), None for rows it does not
-        take: not bf16 on the CPU."""
-        if not (x.dtype == torch.bfloat16 and x.is_cpu):
+        take: not on the CPU, or neither bf16 nor fp32 rows over GGUF experts."""
+        if not (x.is_cpu and (x.dtype == torch.bfloat16
+                              or (x.dtype == torch.float32 and self.gguf_experts is not None))):
             return None
         return self.kernel_experts()
 

@@ -31,7 +31,8 @@ def assert_like_torch(ours: torch.Tensor, ref: torch.Tensor) -> None:
     if ref.dtype == torch.float32:
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
     else:  # one bf16 ulp at most, and almost never (two in the scalar loops of a build
-        # without AVX-512, whose sums run in another order; layers take torch's ops there)
+        # with neither AVX-512 nor AVX2, whose sums run in another order; layers take torch's
+        # ops there)
         ulps = 1 if probes.elementwise_vectorized() else 2
         torch.testing.assert_close(ours.float(), ref.float(), rtol=ulps * 2 ** -7, atol=1e-6)
         assert (ours == ref).float().mean() > 0.99

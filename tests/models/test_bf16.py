@@ -107,15 +107,20 @@ def counting_stack_steps(monkeypatch) -> dict[str, int]:
 
 def assert_stack_equals_per_op(model: str, prompts: list[list[int]], monkeypatch,
                                dtype: str = "bfloat16") -> None:
-    """bf16 greedy decoding of the prompts, all in one batch and one alone: the one-call
+    """Greedy decoding of the prompts in dtype, all in one batch and one alone: the one-call
     stack runs every decode step and gives the per-op forward's tokens and logprobs. (dtype
-    "auto": a GGUF's weights kept quantized.)"""
-    if not torch.cpu._is_avx512_bf16_supported():
-        pytest.skip("the fused decode stack needs a CPU with AVX512-BF16")
+    "auto": a GGUF's weights kept quantized, with bf16 or fp32 activations as the CPU
+    has them.)"""
     assert build.load() is not None, build.load_error
     kwargs = dict(dtype=dtype, kv_cache_memory_bytes=16 * 2**20, max_model_len=512,
                   enable_prefix_caching=False)
-    llm, eager = LLM(model, **kwargs), LLM(model, enforce_eager=True, **kwargs)
+    llm = LLM(model, **kwargs)
+    activations = llm.engine.model_runner.dtype
+    if not CpuDecodeStack.runs_here(activations):
+        pytest.skip(f"the decode stack does not run {activations} here (bf16: AVX512-BF16; "
+                    f"fp32: AVX-512 or AVX2 kernels)")
+    assert llm.engine.model_runner.decode_stack is not None
+    eager = LLM(model, enforce_eager=True, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     counts = counting_stack_steps(monkeypatch)
     for batch in (prompts, prompts[:1]):

@@ -114,15 +114,17 @@ def test_bf16_fast_paths_equal_the_op_by_op_forward(models, family):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_the_one_call_decode_stack_gives_the_per_op_results(models, family, monkeypatch):
+def test_the_one_call_decode_stack_gives_the_per_op_results(models, family, dtype,
+                                                            monkeypatch):
     """The decode stack adds Qwen2's q/k/v biases as the linear methods do, and passes
     Mistral's window (12, shorter than most prompts) to the attention kernel: its decode
     steps give the per-op forward's tokens and logprobs bit for bit (and it does run
-    them)."""
+    them), in bf16 and fp32."""
     from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
     built, prompts, _ = models(family)
-    assert_stack_equals_per_op(str(built.hf_dir), prompts, monkeypatch)
+    assert_stack_equals_per_op(str(built.hf_dir), prompts, monkeypatch, dtype)
 
 
 def test_longrope_takes_the_decode_stack_on_either_side_of_the_original_context(

@@ -170,7 +170,5 @@ def test_kept_quantized_greedy_is_close_to_hf(models, family, isa):
 def test_decode_stack_gives_the_per_op_results_with_the_files_weights(models, family,
                                                                       monkeypatch):
     from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
-    if ops.gguf_linear_isa() != "avx512_bf16":
-        pytest.skip("the decode stack needs AVX512-BF16")
     built, prompts, _ = models(family)
     assert_stack_equals_per_op(str(built.gguf), prompts, monkeypatch, dtype="auto")

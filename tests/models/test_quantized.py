@@ -88,13 +88,16 @@ def test_chat_answers_paris(llm):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not probes.has_avx512_bf16(),
-                    reason="the one-call decode stack needs AVX512-BF16 (this CPU lacks it)")
 def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, monkeypatch):
     """Decode steps take the one-call stack with the GGUF weights too (every row count: the
     kernel's one-row and several-row tiles), with the per-op forward's results
-    (enforce_eager=True) bit for bit; and batching does not change a sequence's tokens."""
+    (enforce_eager=True) bit for bit; and batching does not change a sequence's tokens. bf16
+    activations on AVX512-BF16 CPUs, fp32 ones (the default there) on AVX2-only CPUs."""
     from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
+    dtype = llm.engine.model_runner.dtype
+    if not CpuDecodeStack.runs_here(dtype):
+        pytest.skip(f"the decode stack does not run {dtype} on this CPU")
+    assert llm.engine.model_runner.decode_stack is not None
     eager = LLM(kv_cache_memory_bytes=64 * 2**20, max_model_len=1024,
                 enable_prefix_caching=False, enforce_eager=True)
     lengths = [15, 16, 17, 40, 3, 33, 64]

@@ -66,10 +66,13 @@ def test_greedy_tokens_match_hf(llm, qwen3_dir):
         assert out.token_ids == ref[0, len(prompt_ids):].tolist()
 
 
-def test_q_k_norms_take_the_one_call_decode_stack_with_the_per_op_results(qwen3_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_q_k_norms_take_the_one_call_decode_stack_with_the_per_op_results(qwen3_dir, dtype,
+                                                                          monkeypatch):
     from test_bf16 import assert_stack_equals_per_op  # tests/models (pytest's rootdir path)
     tok = load_model_source(None).tokenizer
-    assert_stack_equals_per_op(str(qwen3_dir[0]), [tok.encode(p) for p in PROMPTS], monkeypatch)
+    assert_stack_equals_per_op(str(qwen3_dir[0]), [tok.encode(p) for p in PROMPTS], monkeypatch,
+                               dtype)
 
 
 @pytest.fixture(scope="module")

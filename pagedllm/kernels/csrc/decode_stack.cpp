@@ -31,12 +31,14 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 // x w^T (+ bias) by the layer's method (see StackLinear), the bias added as the Python
-// methods add it (fused only in oneDNN's matmul).
+// methods add it (fused only in oneDNN's matmul and torch's fp32 linear).
 at::Tensor linear(const at::Tensor& x, const StackLinear& l, int64_t small_rows,
                   int64_t amx_rows) {
   at::Tensor y;
   if (!l.parts.empty())
     y = gguf_parts_linear(x, l);
+  else if (x.scalar_type() == at::kFloat)  // fp32 weights: TorchLinearMethod's F.linear
+    return at::linear(x, l.weight, l.bias);
   else if (l.packed.dim() == 4)
     y = packed_linear_bf16(x, l.packed, false);
   else if (x.size(0) <= small_rows)
@@ -155,14 +157,18 @@ at::Tensor moe_block(const at::Tensor& h, const StackMoE& m, const Step& s) {
 }  // namespace
 
 at::Tensor gguf_parts_linear(const at::Tensor& x, const StackLinear& l) {
+  // as layers/quantized.py parts_linear: the kernel takes bf16 rows; fp32 rows (a model in
+  // fp32) get its fp32 sums
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  const at::Tensor xb = fp32 ? x.to(at::kBFloat16) : x;
   if (l.parts.size() == 1)
-    return gguf_linear(x, l.parts[0], l.part_types[0], l.part_rows[0], c10::nullopt, false);
+    return gguf_linear(xb, l.parts[0], l.part_types[0], l.part_rows[0], c10::nullopt, fp32);
   int64_t n = 0;
   for (int64_t rows : l.part_rows) n += rows;
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   for (size_t i = 0, start = 0; i < l.parts.size(); start += l.part_rows[i++])
-    gguf_linear(x, l.parts[i], l.part_types[i], l.part_rows[i],
-                y.narrow(1, start, l.part_rows[i]), false);
+    gguf_linear(xb, l.parts[i], l.part_types[i], l.part_rows[i],
+                y.narrow(1, start, l.part_rows[i]), fp32);
   return y;
 }
 
@@ -174,7 +180,8 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          int64_t num_kv_heads, double eps, int64_t small_rows, int64_t amx_rows,
                          const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first) {
   TORCH_CHECK(!layers.empty(), "decode_layers takes at least one layer");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [T, hidden]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be bf16 or fp32 [T, hidden]");
   const Step s{positions, slot_mapping, block_tables, q_starts, q_lens, k_lens,
                longest_context, num_heads, num_kv_heads, eps, small_rows, amx_rows,
                prefix_blocks, prefix_first};

@@ -24,11 +24,9 @@ inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
 // Rows of work per task: enough elements that a task outweighs the cost of handing it out.
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / row_elems); }
 
-#if defined(__AVX512F__)
-using pagedllm::exp16;
-using pagedllm::load16;
-using pagedllm::round16;
-using pagedllm::store16;
+#if PAGEDLLM_VEC_WIDTH > 0
+namespace vec = pagedllm::vec;
+constexpr int64_t W = vec::kWidth;
 #endif
 
 template <typename T>
@@ -50,18 +48,18 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
       T* o = op + r * d;
       float ss = 0.f;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 acc = _mm512_setzero_ps();
-      for (; i + 16 <= d; i += 16) {
-        __m512 v = load16(xr + i);
+#if PAGEDLLM_VEC_WIDTH > 0
+      vec::V acc = vec::zero();
+      for (; i + W <= d; i += W) {
+        vec::V v = vec::load(xr + i);
         if (rr) {  // x + residual, stored in T (torch: x = x + residual)
-          v = round16<T>(_mm512_add_ps(v, load16(rr + i)));
-          store16(nr + i, v);
+          v = vec::round<T>(vec::add(v, vec::load(rr + i)));
+          vec::store(nr + i, v);
         }
-        _mm512_storeu_ps(h.data() + i, v);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        vec::store(h.data() + i, v);
+        acc = vec::add(acc, vec::mul(v, v));
       }
-      ss = _mm512_reduce_add_ps(acc);
+      ss = vec::reduce_add(acc);
 #endif
       for (; i < d; ++i) {
         float v = f32(xr[i]);
@@ -74,16 +72,16 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
       i = 0;
-#if defined(__AVX512F__)
-      const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.f);
+#if PAGEDLLM_VEC_WIDTH > 0
+      const vec::V iv = vec::set1(inv), one = vec::set1(1.f);
       if (unit_offset) {  // ((x * rsqrt(mean(x^2) + eps)) * (1 + weight)).to(T), all in fp32
-        for (; i + 16 <= d; i += 16)
-          store16(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i), iv),
-                                       _mm512_add_ps(one, load16(wp + i))));
+        for (; i + W <= d; i += W)
+          vec::store(o + i, vec::mul(vec::mul(vec::load(h.data() + i), iv),
+                                     vec::add(one, vec::load(wp + i))));
       } else {  // weight * (x * rsqrt(mean(x^2) + eps)).to(T)
-        for (; i + 16 <= d; i += 16)
-          store16(o + i, _mm512_mul_ps(load16(wp + i),
-                                       round16<T>(_mm512_mul_ps(_mm512_loadu_ps(h.data() + i), iv))));
+        for (; i + W <= d; i += W)
+          vec::store(o + i, vec::mul(vec::load(wp + i),
+                                     vec::round<T>(vec::mul(vec::load(h.data() + i), iv))));
       }
 #endif
       for (; i < d; ++i)
@@ -104,13 +102,12 @@ void silu_and_mul_rows(const at::Tensor& x, at::Tensor& out) {
       const T* u = g + d;
       T* o = op + r * d;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= d; i += 16) {  // silu(g) = g / (1 + e^-g) stored in T, times up
-        const __m512 gv = load16(g + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 s = round16<T>(
-            _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+#if PAGEDLLM_VEC_WIDTH > 0
+      for (; i + W <= d; i += W) {  // silu(g) = g / (1 + e^-g) stored in T, times up
+        const vec::V gv = vec::load(g + i);
+        const vec::V e = vec::exp(vec::sub(vec::zero(), gv));
+        const vec::V s = vec::round<T>(vec::div(gv, vec::add(vec::set1(1.f), e)));
+        vec::store(o + i, vec::mul(s, vec::load(u + i)));
       }
 #endif
       for (; i < d; ++i) {
@@ -136,10 +133,10 @@ void rotary_rows(const at::Tensor& positions, at::Tensor& x, const at::Tensor& c
     std::vector<float> c(d), s(d), v(d);
     for (int64_t t = begin; t < end; ++t) {
       int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= d; i += 16) {
-        _mm512_storeu_ps(&c[i], round16<T>(_mm512_loadu_ps(cp + pos[t] * d + i)));
-        _mm512_storeu_ps(&s[i], round16<T>(_mm512_loadu_ps(sp + pos[t] * d + i)));
+#if PAGEDLLM_VEC_WIDTH > 0
+      for (; i + W <= d; i += W) {
+        vec::store(&c[i], vec::round<T>(vec::load(cp + pos[t] * d + i)));
+        vec::store(&s[i], vec::round<T>(vec::load(sp + pos[t] * d + i)));
       }
 #endif
       for (; i < d; ++i) {
@@ -149,21 +146,20 @@ void rotary_rows(const at::Tensor& positions, at::Tensor& x, const at::Tensor& c
       for (int64_t h = 0; h < heads; ++h) {
         T* row = xp + t * ts + h * hs;
         i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= half; i += 16) {  // both halves' 16 lanes at a time
-          const __m512 lo = load16(row + i), hi = load16(row + half + i);
-          const __m512 lo_out = _mm512_add_ps(
-              round16<T>(_mm512_mul_ps(lo, _mm512_loadu_ps(&c[i]))),
-              round16<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi),
-                                       _mm512_loadu_ps(&s[i]))));
-          const __m512 hi_out = _mm512_add_ps(
-              round16<T>(_mm512_mul_ps(hi, _mm512_loadu_ps(&c[half + i]))),
-              round16<T>(_mm512_mul_ps(lo, _mm512_loadu_ps(&s[half + i]))));
-          store16(row + i, lo_out);
-          store16(row + half + i, hi_out);
+#if PAGEDLLM_VEC_WIDTH > 0
+        for (; i + W <= half; i += W) {  // both halves' W lanes at a time
+          const vec::V lo = vec::load(row + i), hi = vec::load(row + half + i);
+          const vec::V lo_out = vec::add(
+              vec::round<T>(vec::mul(lo, vec::load(&c[i]))),
+              vec::round<T>(vec::mul(vec::sub(vec::zero(), hi), vec::load(&s[i]))));
+          const vec::V hi_out = vec::add(
+              vec::round<T>(vec::mul(hi, vec::load(&c[half + i]))),
+              vec::round<T>(vec::mul(lo, vec::load(&s[half + i]))));
+          vec::store(row + i, lo_out);
+          vec::store(row + half + i, hi_out);
         }
 #endif
-        if (i < half) {  // what the vectors did not cover (half not a multiple of 16)
+        if (i < half) {  // what the vectors did not cover (half not a multiple of W)
           for (int64_t j = 0; j < d; ++j) v[j] = f32(row[j]);
           for (; i < half; ++i) {
             row[i] = static_cast<T>(rnd<T>(v[i] * c[i]) + rnd<T>(-v[i + half] * s[i]));
@@ -187,6 +183,10 @@ namespace pagedllm {
     case at::kHalf: { using scalar = at::Half; __VA_ARGS__; break; }                      \
     default: TORCH_CHECK(false, NAME " supports float32, bfloat16 and float16, got ", dtype); \
   }
+
+std::string elementwise_isa() {
+  return PAGEDLLM_VEC_WIDTH == 16 ? "avx512" : PAGEDLLM_VEC_WIDTH == 8 ? "avx2" : "scalar";
+}
 
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                  const at::Tensor& weight, double eps, bool unit_offset) {
@@ -247,16 +247,15 @@ int64_t argmax_row(const T* row, int64_t v) {
   float m = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 mv = _mm512_set1_ps(m);
-  __mmask16 unord = 0;
-  for (; i + 16 <= v; i += 16) {
-    const __m512 x = pagedllm::load16(row + i);
-    unord |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    mv = _mm512_max_ps(mv, x);
+#if PAGEDLLM_VEC_WIDTH > 0
+  namespace vec = pagedllm::vec;
+  vec::V mv = vec::set1(m);
+  for (; i + vec::kWidth <= v; i += vec::kWidth) {
+    const vec::V x = vec::load(row + i);
+    nan |= vec::any_nan(x);
+    mv = vec::max(mv, x);
   }
-  m = _mm512_reduce_max_ps(mv);
-  nan = unord != 0;
+  m = vec::reduce_max(mv);
 #endif
   for (; i < v; ++i) {
     const float x = static_cast<float>(row[i]);
@@ -264,11 +263,11 @@ int64_t argmax_row(const T* row, int64_t v) {
     nan |= x != x;
   }
   i = 0;
-#if defined(__AVX512F__)
+#if PAGEDLLM_VEC_WIDTH > 0
   if (!nan) {  // the first position equal to the maximum
-    const __m512 target = _mm512_set1_ps(m);
-    for (; i + 16 <= v; i += 16)
-      if (_mm512_cmp_ps_mask(pagedllm::load16(row + i), target, _CMP_EQ_OQ)) break;
+    const vec::V target = vec::set1(m);
+    for (; i + vec::kWidth <= v; i += vec::kWidth)
+      if (vec::any_equal(vec::load(row + i), target)) break;
   }
 #endif
   for (; i < v; ++i) {

@@ -62,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tests: 'avx2' makes gguf_linear take its AVX2 path; '' the best built");
   m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
         "whether this build has the AVX512-BF16 packed linear");
+  m.def("elementwise_isa", &pagedllm::elementwise_isa,
+        "what rms_norm, silu_and_mul, rotary_embedding and argmax_rows run on: 'avx512', "
+        "'avx2' or 'scalar'");
   m.def("rms_norm", &pagedllm::rms_norm,
         "[norm(x)] or [norm(x + residual), x + residual]; unit_offset: Gemma's (1 + weight)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),

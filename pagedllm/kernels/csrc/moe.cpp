@@ -6,8 +6,8 @@
 // It runs what layers/moe.py FusedMoE.forward_grouped runs, in the same order on the same
 // tensors, so the results are the same bit for bit: the pairs sorted by expert (tokens in
 // order within an expert), an expert's rows gathered, gate/up by the expert's linear,
-// silu_and_mul, down, then out[t] = bf16(out[t] + bf16(y * w)) expert after expert (torch's
-// bf16 multiply and index_add_ round the same way). What it saves is the Python and torch
+// silu_and_mul, down, then out[t] = T(out[t] + T(y * w)) expert after expert in the rows'
+// dtype T, bf16 or fp32 (torch's multiply and index_add_ round the same way). What it saves is the Python and torch
 // dispatch around ~7 ops per chosen expert: Qwen3-30B-A3B chooses 8 of 128 per token, so a
 // step of 16 rows runs ~100 experts in each of its 48 layers.
 #include "ops.h"
@@ -20,8 +20,27 @@ namespace {
 // (layers/moe.py select_expert_linear).
 at::Tensor expert_linear(const at::Tensor& x, const StackLinear& l, int64_t small_rows) {
   if (!l.parts.empty()) return gguf_parts_linear(x, l);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "moe_experts: fp32 rows take GGUF experts only");
   if (x.size(0) <= small_rows) return small_linear_bf16(x, l.weight);
   return at::linear(x, l.weight);
+}
+
+// out[r[i]] = T(out[r[i]] + T(y[i] * w[pair i])) for an expert's rows i, in order.
+template <typename T>
+void add_scaled_rows(at::Tensor& out, const at::Tensor& y, const int64_t* r, const float* w,
+                     const std::vector<int64_t>& pairs) {
+  const int64_t hidden = out.size(1);
+  T* o = out.data_ptr<T>();
+  const T* yv = y.data_ptr<T>();
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const float scale = w[pairs[i]];
+    T* dst = o + r[i] * hidden;
+    const T* src = yv + i * hidden;
+    for (int64_t j = 0; j < hidden; ++j) {
+      const T scaled(static_cast<float>(src[j]) * scale);
+      dst[j] = T(static_cast<float>(dst[j]) + static_cast<float>(scaled));
+    }
+  }
 }
 
 }  // namespace
@@ -29,15 +48,16 @@ at::Tensor expert_linear(const at::Tensor& x, const StackLinear& l, int64_t smal
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                        const std::vector<StackLinear>& gate_up,
                        const std::vector<StackLinear>& down, int64_t small_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "moe_experts: x must be contiguous bf16 [T, hidden]");
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || fp32) && x.is_contiguous(),
+              "moe_experts: x must be contiguous bf16 or fp32 [T, hidden]");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong,
               "moe_experts: ids must be int64 [T, top_k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
               "moe_experts: weights must be float32 like ids");
   TORCH_CHECK(gate_up.size() == down.size() && !gate_up.empty(),
               "moe_experts: one gate/up and one down projection per expert");
-  const int64_t tokens = x.size(0), top_k = ids.size(1), hidden = x.size(1);
+  const int64_t tokens = x.size(0), top_k = ids.size(1);
   const int64_t experts = static_cast<int64_t>(gate_up.size());
   const at::Tensor ids_c = ids.contiguous(), weights_c = weights.contiguous();
   const int64_t* id = ids_c.data_ptr<int64_t>();
@@ -50,7 +70,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     pairs[id[p]].push_back(p);
   }
   at::Tensor out = at::zeros_like(x);
-  auto* o = reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>());
   for (int64_t e = 0; e < experts; ++e) {
     const std::vector<int64_t>& mine = pairs[e];
     if (mine.empty()) continue;
@@ -60,16 +79,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     for (int64_t i = 0; i < count; ++i) r[i] = mine[i] / top_k;
     const at::Tensor h = silu_and_mul(expert_linear(x.index_select(0, rows), gate_up[e], small_rows));
     const at::Tensor y = expert_linear(h, down[e], small_rows).contiguous();
-    const auto* yv = reinterpret_cast<const c10::BFloat16*>(y.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < count; ++i) {
-      const float scale = w[mine[i]];
-      c10::BFloat16* dst = o + r[i] * hidden;
-      const c10::BFloat16* src = yv + i * hidden;
-      for (int64_t j = 0; j < hidden; ++j) {
-        const c10::BFloat16 scaled(static_cast<float>(src[j]) * scale);
-        dst[j] = c10::BFloat16(static_cast<float>(dst[j]) + static_cast<float>(scaled));
-      }
-    }
+    if (fp32)
+      add_scaled_rows<float>(out, y, r, w, mine);
+    else
+      add_scaled_rows<c10::BFloat16>(out, y, r, w, mine);
   }
   return out;
 }

@@ -86,6 +86,8 @@ std::string gguf_linear_isa();
 void force_gguf_linear_isa(const std::string& isa);
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
+// What they run on: "avx512" (16 lanes), "avx2" (8 lanes, with FMA and F16C) or "scalar".
+std::string elementwise_isa();
 // rms_norm: [norm(x)] or, with a residual, [norm(x + residual), x + residual]; unit_offset:
 // Gemma's norm, (x * rsqrt(mean(x^2) + eps)) * (1 + weight) in fp32 rounded once, where
 // Llama's rounds the normed x before scaling it by the weight.
@@ -100,8 +102,9 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // computes with (layers/linear_methods.py, layers/quantized.py). bf16: the plain weight and
 // its packing, pagedllm's (4-D: every row count) or oneDNN's (small_linear_bf16 up to
 // small_rows rows, amx_linear_bf16 up to amx_rows, oneDNN beyond); or the weight again where
-// it has none. GGUF kept quantized: one packed part per run of output rows of one ggml type
-// (gguf_linear), each computing its columns of the output.
+// it has none. fp32: the weight (torch's linear). GGUF kept quantized: one packed part per
+// run of output rows of one ggml type (gguf_linear), each computing its columns of the
+// output, for bf16 or fp32 rows.
 struct StackLinear {
   at::Tensor weight, packed;
   std::vector<at::Tensor> parts;
@@ -166,7 +169,7 @@ struct StackLayer {
   at::Tensor k_cache, v_cache;
 };
 
-// A decode step's decoder layers for bf16 rows (decode_stack.cpp): the embeddings x
+// A decode step's decoder layers for bf16 or fp32 rows (decode_stack.cpp): the embeddings x
 // [T, hidden] in, the final norm's output out (final_norm is of the layers' kind); the same
 // kernels as the model's per-op forward on the same tensors, so the same results bit for
 // bit. The attention metadata is the paged_attention kernel's, for the step's rows;
@@ -184,8 +187,9 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
                          int64_t num_kv_heads, double eps, int64_t small_rows, int64_t amx_rows,
                          const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first);
 
-// A mixture-of-experts block's routed experts (moe.cpp): each token's top-k experts (ids
-// [T, k]) weighted by weights (fp32 [T, k]), each chosen expert's MLP
+// A mixture-of-experts block's routed experts (moe.cpp) for bf16 rows x, or fp32 ones with
+// GGUF experts: each token's top-k experts (ids [T, k]) weighted by weights (fp32 [T, k]),
+// each chosen expert's MLP
 // down(silu(gate_up(x))) run once over the tokens that chose it (its projections as
 // StackLinear: GGUF parts, else the bf16 weight by small_linear_bf16 up to small_rows rows,
 // torch's linear beyond); the same results as layers/moe.py forward_grouped bit for bit.

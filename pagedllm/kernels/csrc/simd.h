@@ -102,3 +102,147 @@ inline __m512 round16(__m512 v) {
 }  // namespace pagedllm
 
 #endif  // __AVX512F__
+
+// ---- vec: one register of fp32 lanes, the widest this build has ----------------------
+// The elementwise kernels (elementwise.cpp) are written once against these: 16 lanes on
+// AVX-512 (the helpers above), 8 on AVX2 + FMA + F16C (AMD Zen 2/3, most laptops), with
+// the same algorithms (exp, tanh, c10's rounding to bf16), so the two differ only where a
+// reduction's order does. PAGEDLLM_VEC_WIDTH is 0 where neither is built.
+#if defined(__AVX512F__)
+#define PAGEDLLM_VEC_WIDTH 16
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGEDLLM_VEC_WIDTH 8
+#else
+#define PAGEDLLM_VEC_WIDTH 0
+#endif
+
+#if PAGEDLLM_VEC_WIDTH == 8
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <type_traits>
+#endif
+
+#if PAGEDLLM_VEC_WIDTH > 0
+namespace pagedllm::vec {
+
+constexpr int kWidth = PAGEDLLM_VEC_WIDTH;
+
+#if PAGEDLLM_VEC_WIDTH == 16
+using V = __m512;
+inline V zero() { return _mm512_setzero_ps(); }
+inline V set1(float x) { return _mm512_set1_ps(x); }
+inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V div(V a, V b) { return _mm512_div_ps(a, b); }
+inline V max(V a, V b) { return _mm512_max_ps(a, b); }
+inline float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+// a lane that is NaN; a lane equal to t
+inline bool any_nan(V v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+inline bool any_equal(V v, V t) { return _mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ) != 0; }
+template <typename T>
+inline V load(const T* p) { return load16(p); }
+template <typename T>
+inline void store(T* p, V v) { store16(p, v); }
+template <typename T>
+inline V round(V v) { return round16<T>(v); }
+inline V exp(V x) { return exp16(x); }
+inline V tanh(V x) { return tanh16(x); }
+
+#else  // 8 lanes: AVX2 + FMA + F16C
+using V = __m256;
+inline V zero() { return _mm256_setzero_ps(); }
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V div(V a, V b) { return _mm256_div_ps(a, b); }
+inline V max(V a, V b) { return _mm256_max_ps(a, b); }
+inline float reduce_add(V v) {  // halves added pairwise, as _mm512_reduce_add_ps does
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float reduce_max(V v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline bool any_nan(V v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+inline bool any_equal(V v, V t) { return _mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_EQ_OQ)) != 0; }
+
+inline V load(const float* p) { return _mm256_loadu_ps(p); }
+inline V load(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V load(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// fp32 bits rounded to bf16 in the high half (c10's round to nearest even; NaN -> 0x7FC0)
+inline __m256i bf16_bits(V v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+      _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline void store(c10::BFloat16* p, V v) {
+  const __m256i r = _mm256_srli_epi32(bf16_bits(v), 16);  // 0..0xFFFF: packus keeps them
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+inline void store(c10::Half* p, V v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename T>
+inline V round(V v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(bf16_bits(v));
+  } else {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+// exp16's algorithm; 2^k by the exponent bits (k in [-126, 127] for x in [-87, 88]), which
+// scales exactly as _mm512_scalef_ps does
+inline V exp(V x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const V k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V y = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+  y = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), y);
+  V p = _mm256_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+// tanh16's
+inline V tanh(V x) {
+  const float kClamp = 7.90531110763549805f;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kClamp)), _mm256_set1_ps(kClamp));
+  const V x2 = _mm256_mul_ps(x, x);
+  V p = _mm256_set1_ps(-2.76076847742355e-16f);
+  for (float c : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
+                  1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(c));
+  V q = _mm256_set1_ps(1.19825839466702e-06f);
+  for (float c : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f})
+    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(c));
+  return _mm256_div_ps(_mm256_mul_ps(p, x), q);
+}
+#endif
+
+}  // namespace pagedllm::vec
+#endif  // PAGEDLLM_VEC_WIDTH > 0
