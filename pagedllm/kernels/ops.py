@@ -168,6 +168,12 @@ def argmax_rows(x: Tensor) -> Tensor:
     return _ext.argmax_rows(x)
 
 
+def apply_token_bitmask_(logits: Tensor, masks: Tensor, rows: Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t % 32 of word t // 32 of masks[i]
+    (int32 [M, ceil(V / 32)]) is 0."""
+    _ext.apply_token_bitmask_(logits, masks, rows)
+
+
 # ---- the one-call decode stack (decode_stack.cpp) -----------------------------------------------
 
 def stack_linear(weight: Tensor, packed: Tensor, parts: list[Tensor], part_types: list[int],

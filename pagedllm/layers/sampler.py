@@ -98,12 +98,15 @@ def apply_token_controls(logits: torch.Tensor, batch: SamplingBatch, rows: list[
         here = [(i, position[row]) for i, row in enumerate(batch.grammar_rows) if row in position]
         if here:
             masks, at = zip(*here)
-            allowed = unpack_token_masks(batch.grammar_masks[list(masks)],
-                                         x.shape[-1]).to(x.device, non_blocking=True)
-            if list(at) == list(range(x.shape[0])):  # every row (one row alone, say)
-                x = torch.where(allowed, x, float("-inf"))
+            chosen = batch.grammar_masks[list(masks)]
+            if x.is_cpu and x.stride(-1) == 1 and probes.available():  # in C++, in place
+                ops.apply_token_bitmask_(x, chosen.contiguous(), torch.tensor(at))
             else:
-                x[list(at)] = x[list(at)].masked_fill(~allowed, float("-inf"))
+                allowed = unpack_token_masks(chosen, x.shape[-1]).to(x.device, non_blocking=True)
+                if list(at) == list(range(x.shape[0])):  # every row (one row alone, say)
+                    x = torch.where(allowed, x, float("-inf"))
+                else:
+                    x[list(at)] = x[list(at)].masked_fill(~allowed, float("-inf"))
     for row, token_ids in batch.allowed:
         if row in position:
             i = position[row]

@@ -121,3 +121,27 @@ def test_pagedllm_cpu_kernels_0_turns_every_kernel_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PAGEDLLM_CPU_KERNELS": "0"}, timeout=120)
     assert out.stdout.split() == ["True", "torch"], out.stderr
+
+
+@pytest.mark.parametrize("vocab", [32, 1000, 49152 + 7])
+def test_token_bitmask_masks_exactly_the_unset_bits_of_the_chosen_rows(vocab):
+    """Grammar masks applied in place (sampler.apply_token_controls): -inf exactly where the
+    unpacked mask is False, on the rows named, whole words allowed or refused and mixed
+    words alike; other rows untouched."""
+    from pagedllm.layers.sampler import unpack_token_masks
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    masks = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+    masks[0, ::3] = -1  # all allowed
+    masks[1, 1::3] = 0  # none allowed
+    logits = torch.randn(5, vocab, generator=g)
+    rows = torch.tensor([4, 0, 2])
+    ours = logits.clone()
+    ext.apply_token_bitmask_(ours, masks, rows)
+    allowed = unpack_token_masks(masks, vocab)
+    ref = logits.clone()
+    ref[rows] = torch.where(allowed, logits[rows], float("-inf"))
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[[1, 3]], logits[[1, 3]])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.apply_token_bitmask_(ours, masks, torch.tensor([0, 1, 5]))

@@ -73,6 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pagedllm::rotary_embedding,
         "rotate x [T, heads, D] in place by positions (half-rotation layout)");
   m.def("argmax_rows", &pagedllm::argmax_rows, "first index of each row's maximum");
+  m.def("apply_token_bitmask_", &pagedllm::apply_token_bitmask_,
+        "logits[rows[i], t] = -inf where bit t of int32 mask row i is 0 (in place)");
   py::class_<pagedllm::StackLinear>(m, "StackLinear",
                                     "a linear layer of the decode stack (see ops.h)")
       .def(py::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>,

@@ -97,6 +97,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_embedding(const at::Tensor& positions, at::Tensor x, const at::Tensor& cos,
                       const at::Tensor& sin);
 at::Tensor argmax_rows(const at::Tensor& x);
+// logits[rows[i], t] = -inf where bit t of grammar mask i (int32 words, little-endian) is 0.
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& masks, const at::Tensor& rows);
 
 // A linear layer of the decode stack: x w^T (+ bias) by the method the layer's Python side
 // computes with (layers/linear_methods.py, layers/quantized.py). bf16: the plain weight and
