@@ -23,9 +23,9 @@ their descriptions, not in the C++ loop. It applies to:
 on the cpu_paged backend, one tensor-parallel rank. bf16 activations (AVX512-BF16 CPUs) with
 bf16 weights or GGUF ones kept quantized; fp32 activations (what `--dtype auto` gives GGUF
 files and HF directories on CPUs without AVX512-BF16, e.g. AVX2-only AMD Zen 2/3 and most
-laptops) with fp32 weights (torch's linear) or GGUF ones, Gemma excepted. A step with a cascade (a prefix
-several rows share) runs op by op where some layer takes a window or soft-cap in it (those
-take no cascade), and in fp32 (the cascade kernel is bf16).
+laptops) with fp32 weights (torch's linear) or GGUF ones, Gemma excepted. A step with a
+cascade (a prefix several rows share) runs op by op where some layer takes a window or
+soft-cap in it (those take no cascade), and in fp32 (the cascade kernel is bf16).
 
 Its per-model arguments are gathered once (~0.65 ms for SmolLM2) and checked each step by
 identity (~12 us), so a forward hook put on a layer (the step then runs op by op, and the

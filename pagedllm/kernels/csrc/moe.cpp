@@ -7,9 +7,10 @@
 // tensors, so the results are the same bit for bit: the pairs sorted by expert (tokens in
 // order within an expert), an expert's rows gathered, gate/up by the expert's linear,
 // silu_and_mul, down, then out[t] = T(out[t] + T(y * w)) expert after expert in the rows'
-// dtype T, bf16 or fp32 (torch's multiply and index_add_ round the same way). What it saves is the Python and torch
-// dispatch around ~7 ops per chosen expert: Qwen3-30B-A3B chooses 8 of 128 per token, so a
-// step of 16 rows runs ~100 experts in each of its 48 layers.
+// dtype T, bf16 or fp32 (torch's multiply and index_add_ round the same way). What it
+// saves is the Python and torch dispatch around ~7 ops per chosen expert: Qwen3-30B-A3B
+// chooses 8 of 128 per token, so a step of 16 rows runs ~100 experts in each of its 48
+// layers.
 #include "ops.h"
 
 namespace pagedllm {
