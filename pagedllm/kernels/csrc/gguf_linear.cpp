@@ -53,8 +53,8 @@
 // than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the
 // layout but computes in integers (see its section): a 32-byte half of a word vector is 8
 // outputs' pairs, multiplied by a row's int8 inputs with VPMADDUBSW (nibbles, bit planes)
-// or its 16-bit pairs with VPMADDWD (Q8_0), in tiles of 1 row by 2 groups or 2-4 rows by 1
-// group; a panel's first tile prefetches as the AVX-512 one-row tiles.
+// or its 16-bit pairs with VPMADDWD (Q8_0), in tiles of 1 row by a whole panel or 2-4 rows
+// by 1 group; a panel's first tile prefetches as the AVX-512 one-row tiles.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -963,8 +963,10 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
 #endif
 #if defined(GGUF_AVX2)
       if (isa == Isa::kAvx2) {
-        // Tiles of up to kTileRows rows: a row alone takes 2 groups at a time (fewer
-        // registers than a several-row tile needs), several rows one group at a time.
+        // Tiles of up to kTileRows rows: a row alone takes the whole panel (its fp32 sums
+        // spill, touched once a scale unit; walking a panel as two tiles of 2 groups left
+        // memory idle while the second ran from L2: 1.3x slower from memory), several
+        // rows one group at a time.
         auto tile = [&]<int MR, int TG>(int64_t m) {
           for (int64_t g = 0; g < NG; g += TG) {
             alignas(64) float part[MR * TG * kGroup];
@@ -984,7 +986,10 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
         };
         for (int64_t m = 0; m < rows; m += kTileRows) {
           switch (std::min<int64_t>(kTileRows, rows - m)) {
-            case 1: tile.template operator()<1, 2>(m); break;
+            case 1:
+              if (NG == 4) tile.template operator()<1, 4>(m);
+              else tile.template operator()<1, 2>(m);
+              break;
             case 2: tile.template operator()<2, 1>(m); break;
             case 3: tile.template operator()<3, 1>(m); break;
             default: tile.template operator()<4, 1>(m); break;
