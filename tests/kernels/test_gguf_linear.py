@@ -1,7 +1,6 @@
 """GGUF weights kept quantized (layers/gguf_packing.py, csrc/gguf_linear.cpp), for every
 type the kernel takes and both of its paths (AVX512-BF16, AVX2): the kernel computes x . w
-with the exact weights gguf.quants.dequantize gives (against a float64 product; on the AVX2
-path with x rounded as that path rounds it, int8 or 16-bit per scale unit) around every
+with the exact weights gguf.quants.dequantize gives (against a float64 product) around every
 tile and block edge, a row's result does not depend on its batch or the thread count, out=
 writes only its columns, the packed form gives back the exact weights and stays within
 1.10x the GGUF's bytes, and bad inputs are refused with clear errors."""
@@ -64,41 +63,12 @@ def dequantized(qtype: GGMLQuantizationType, raw: torch.Tensor, n: int, k: int) 
     return torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(n, k)
 
 
-# Types whose AVX2 path rounds each row to int8 per scale unit (the byte formulation of
-# csrc/gguf_linear.cpp, as llama.cpp's AVX2 kernels round activations to Q8); Q8_0's path
-# rounds it to 16 bits.
-INT8_INPUTS = {Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-
-
-def avx2_inputs(x: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """The inputs the AVX2 byte formulation multiplies, float64: per scale unit (32
-    inputs, 16 for Q6_K) xs round(x * 127 / max|x|) with xs = max|x| / 127, in fp32 as the
-    kernel rounds them (nearest, ties to even)."""
-    width = 16 if qtype == Q.Q6_K else 32
-    units = x.float().reshape(x.shape[0], -1, width)
-    top = units.abs().amax(-1, keepdim=True)
-    # (a tensor by a tensor: IEEE division; 127 / top would multiply by a reciprocal)
-    up = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
-    q = torch.round(units * up)
-    return (q.double() * (top / 127).double()).reshape(x.shape)
-
-
-def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bf16: bool,
-                          qtype: GGMLQuantizationType | None = None) -> None:
+def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bf16: bool) -> None:
     """y against the float64 product x w^T. The kernel's fp32 sums err by a few units of
     2^-24 of each scale unit's s (x . q') and c sum(x), terms up to ~200 |s| sum|x| where
     the weights are ~8 |s|: within 2^-12 of |x| . |w| (about 10x the worst case seen); a
     bf16 output adds its rounding, 2^-8 of the result. (The AVX2 path rounds x to 16-bit
-    integers per scale unit for Q8_0: at most 2^-16 of the unit's largest |x| per input, well
-    inside; for the other types to int8, so there the reference takes avx2_inputs(x), and
-    they must also be within half an int8 step of x.)"""
-    if qtype in INT8_INPUTS and ops.gguf_linear_isa() == "avx2":
-        rounded = avx2_inputs(x, qtype)
-        width = 16 if qtype == Q.Q6_K else 32
-        step = x.double().abs().reshape(x.shape[0], -1, width).amax(-1) / 127
-        assert ((rounded - x.double()).abs().reshape(step.shape + (width,))
-                <= step[..., None] / 2 * (1 + 2**-10)).all()
-        x = rounded
+    integers per scale unit: at most 2^-16 of the unit's largest |x| per input, well inside.)"""
     ref = x.double() @ w.double().T
     bound = (x.double().abs() @ w.double().abs().T) * 2**-12
     if bf16:
@@ -124,7 +94,7 @@ def test_matches_a_float64_product_with_the_exact_weights(isa, qtype, n, blocks)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         y = ops.gguf_linear(x, packed, int(qtype), n)
         assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-        assert_close_to_exact(y, x, w, bf16=True, qtype=qtype)
+        assert_close_to_exact(y, x, w, bf16=True)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -133,7 +103,7 @@ def test_several_super_blocks_and_panels(isa, qtype):
     raw = random_gguf(qtype, n, k, seed=3)
     x = torch.randn(9, k).bfloat16()
     y = ops.gguf_linear(x, pack_gguf(qtype, raw, n, k), int(qtype), n, fp32_out=True)
-    assert_close_to_exact(y, x, dequantized(qtype, raw, n, k), bf16=False, qtype=qtype)
+    assert_close_to_exact(y, x, dequantized(qtype, raw, n, k), bf16=False)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -174,8 +144,6 @@ def test_the_avx2_path_agrees_with_the_avx512_path(ext, qtype):
         ops.force_gguf_linear_isa("")
     avx512 = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
     bound = (x.double().abs() @ w.double().abs().T) * 2**-11  # each within 2^-12
-    if qtype in INT8_INPUTS:  # and the AVX2 path's int8 inputs' rounding
-        bound += (avx2_inputs(x, qtype) - x.double()).abs() @ w.double().abs().T
     assert ((avx2.double() - avx512.double()).abs() <= bound).all()
 
 
@@ -205,7 +173,7 @@ def test_fp32_out_is_the_sums_the_bf16_output_rounds(isa, qtype):
     y32 = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
     assert y32.dtype == torch.float32
     assert torch.equal(y32.bfloat16(), ops.gguf_linear(x, packed, int(qtype), n))
-    assert_close_to_exact(y32, x, dequantized(qtype, raw, n, k), bf16=False, qtype=qtype)
+    assert_close_to_exact(y32, x, dequantized(qtype, raw, n, k), bf16=False)
 
 
 @pytest.mark.parametrize("qtype", TYPES)

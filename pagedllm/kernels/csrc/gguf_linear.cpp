@@ -11,11 +11,11 @@
 //   Q5_K  q' = 128 + q (0..31)    as Q4_K
 //   Q6_K  q' = 128 + q (0..63)    s = d sc (int8)   c = -160 s          (w = d sc (q - 32))
 // so over a unit x . w = s (x . q') + c sum(x): the dot products run on bf16 (AVX512-BF16
-// VDPBF16PS; AVX2 rounds x to int8, or for Q8_0 to 16-bit integers, and sums in int32)
-// and each unit's sum is scaled and corrected in fp32. A 16-bit word whose low 7 bits are
-// q, OR 0x4300, is the bf16 of 128 + q (and as the high half of an fp32, the fp32 of it).
-// d * sc is exact in fp32 (11 + 8 bits), not in fp16: the K-quant scales stay the GGUF's
-// integers, one byte each, multiplied here. The scale unit is 32 inputs, 16 for Q6_K.
+// VDPBF16PS; AVX2 rounds x to 16-bit integers and sums in int32) and each unit's sum is
+// scaled and corrected in fp32. A 16-bit word whose low 7 bits are q, OR 0x4300, is the
+// bf16 of 128 + q (and as the high half of an fp32, the fp32 of it). d * sc is exact in
+// fp32 (11 + 8 bits), not in fp16: the K-quant scales stay the GGUF's integers, one byte
+// each, multiplied here. The scale unit is 32 inputs, 16 for Q6_K.
 //
 // Layout (layers/gguf_packing.py pack_gguf): outputs in groups of 16 (one vector of fp32
 // sums), N padded to an even number of groups; groups in panels of 4 (the last may have 2);
@@ -50,11 +50,11 @@
 // constant offsets). From a type's kKeepRows rows on, a chunk's first tile also stores
 // what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the
 // chunk's other tiles read it back; below, each tile unpacks again (storing cost more
-// than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the
-// layout but computes in integers (see its section): a 32-byte half of a word vector is 8
-// outputs' pairs, multiplied by a row's int8 inputs with VPMADDUBSW (nibbles, bit planes)
-// or its 16-bit pairs with VPMADDWD (Q8_0), in tiles of 1 row by a whole panel or 2-4 rows
-// by 1 group; a panel's first tile prefetches as the AVX-512 one-row tiles.
+// than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout but computes in
+// integers (see its section): a 32-byte half of a word vector is 8 outputs' pairs of q,
+// multiplied by a row's pair of 16-bit x with VPMADDWD, in tiles of 1 row by a whole
+// panel or 2-4 rows by 1 group; a panel's first tile prefetches as the AVX-512 one-row
+// tiles.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -484,33 +484,40 @@ void interleave_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K
 #endif  // GGUF_AVX512
 
 // ---- AVX2 + FMA + F16C -----------------------------------------------------------------
-// Integer dot products on the same words, summed exactly in int32 over a scale unit; per
-// unit x . w = s xs (xq . q) + c2 xsum with q the quant itself (not q' = 128 + q), xq the
-// row rounded to integers with scale xs, xsum = xs sum(xq) and c2 = c + 128 s the weight at
-// q = 0. Two formulations:
-// - Types of 4-bit nibbles (Q4_0, Q4_1, Q4_K, and Q5_K and Q6_K with their bit planes): x
-//   is rounded to int8 per scale unit (xs = max |x| / 127, as llama.cpp's AVX2 kernels round
-//   it to Q8: an input errs by at most xs / 2), and VPMADDUBSW multiplies 32 unsigned bytes
-//   by 32 int8 inputs and adds adjacent products: 32 multiply-adds an instruction. Masked,
-//   a word vector's bytes are, for word 2o + e, the nibbles of pairs 4u and 4u + 2; shifted
-//   by 4 and masked, those of 4u + 1 and 4u + 3. The row's inputs are permuted to match
-//   once a call (each run of 8 as x0 x4 x1 x5 | x2 x6 x3 x7, one 32-bit broadcast each
-//   half), so a 16-bit lane sums one output's element e: in int16 over a scale unit (at
-//   most 8 x 2 x 15 x 127 = 30480), then VPMADDWD by ones adds the two elements' lanes into
-//   int32. A bit plane's pairs are taken the same way (shifted and masked to one bit, Q5_K,
-//   or two, Q6_K, a byte, against inputs permuted to the plane's pairs) and weighted by 16
-//   in their VPMADDWD. About 3.5 ops per 32 multiply-adds of 4-bit quants, against 9 for
-//   16-bit inputs.
-// - Q8_0: x is rounded to 16-bit integers per unit (xs a power of two: x's elements within
-//   2^7 of the unit's largest are exact, the rest err by at most 2^-16 of it) and VPMADDWD
-//   multiplies a word vector's 8 outputs' pairs of widened quants by the row's pair. (Its
-//   signed quants would need two VPSIGNB per VPMADDUBSW, and one row is bound by its bytes.)
+// Integer dot products: x is rounded to 16-bit integers per scale unit (x ~ xs xq, xs a
+// power of two: x's elements within 2^7 of the unit's largest are exact, the rest err by at
+// most 2^-16 of it), q is the quant itself (not q' = 128 + q), and VPMADDWD multiplies a
+// word vector's 8 outputs' pairs by the row's pair and adds each output's two products:
+// 16 multiply-adds in one instruction, summed exactly in int32 over a unit. Per unit
+// x . w = s xs (xq . q) + c2 xs sum(xq), with c2 = c + 128 s the weight at q = 0.
 #if defined(GGUF_AVX2)
-// Q8_0's quants of pair p of a group's unit, outputs 8 half .. 8 half + 7, as 16-bit
-// integers (word 2o + e: output o's element e).
-inline __m256i quants256(const uint8_t* unit, int p, int half) {
-  return _mm256_cvtepi8_epi16(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + p * 32 + 16 * half)));
+inline __m256i bits_to_4_avx2(__m256i v, int from) {
+  return from >= 4 ? _mm256_srli_epi16(v, from - 4) : _mm256_slli_epi16(v, 4 - from);
+}
+
+// q of pair 4u + s of a group's unit, outputs 8 half .. 8 half + 7, as 16-bit integers
+// (word 2o + e: output o's element e).
+template <QType T>
+inline __m256i quants256(const uint8_t* unit, int u, int s, int half) {
+  if constexpr (T == QType::Q8_0) {
+    return _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + (4 * u + s) * 32 + 16 * half)));
+  } else {
+    const __m256i words =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + u * 64 + half * 32));
+    __m256i q = s == 3 ? _mm256_srli_epi16(words, 12)
+                       : _mm256_and_si256(_mm256_srli_epi16(words, 4 * s), _mm256_set1_epi16(0x0F));
+    if constexpr (T == QType::Q5_K) {
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256 + half * 32));
+      q = _mm256_or_si256(q, _mm256_and_si256(bits_to_4_avx2(plane, 4 * u + s), _mm256_set1_epi16(0x10)));
+    } else if constexpr (T == QType::Q6_K) {
+      const __m256i plane = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(unit + 256 + u / 2 * 64 + half * 32));
+      q = _mm256_or_si256(q, _mm256_and_si256(bits_to_4_avx2(plane, 2 * (4 * (u % 2) + s)),
+                                              _mm256_set1_epi16(0x30)));
+    }
+    return q;
+  }
 }
 
 // A scale unit's s and c2 (w = s q + c2) for outputs 8 half .. 8 half + 7 of a group.
@@ -541,7 +548,7 @@ inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m25
   }
 }
 
-// Q8_0's rows x, rounded per unit: xq (16-bit, row stride K), xs (each unit's power of
+// Rows x, rounded per scale unit: xq (16-bit, row stride K), xs (each unit's power of
 // two) and xsum (xs sum(xq)), per_row = K / width units a row. A unit holding an inf or a
 // NaN gets a NaN scale, so its outputs are NaN as they would be in floating point.
 void quantize_rows256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
@@ -586,170 +593,14 @@ void quantize_rows256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, 
 }
 
 // The tile's sums for MR rows by groups g0 .. g0 + NG - 1 of a panel of G groups: each
-// (row, group, half) sums a unit's pairs in int32, then adds s xs times that sum to its
-// fp32 total (Q8_0: c2 = 0).
-template <int MR, int NG>
-void tile256(const int16_t* xq, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* w,
-             int64_t G, int64_t g0, int64_t blocks, float* out) {
-  using F = Format<QType::Q8_0>;
-  const int64_t ahead = prefetch_distance<QType::Q8_0>(G);
-  __m256 acc[MR][NG][2];
-  for (int m = 0; m < MR; ++m)
-    for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = w + b * G * kGroupBlock<QType::Q8_0>;
-    const uint8_t* units = blk + G * F::kHeader + g0 * F::kUnit;
-    const int16_t* xu = xq + b * F::kBlock;
-    __m256i part[MR][NG][2];
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-      for (int g = 0; g < NG; ++g) part[m][g][0] = part[m][g][1] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) {
-      if (g0 == 0)  // (the first of the tiles of a panel)
-        prefetch_slice(blk + ahead, G * kGroupBlock<QType::Q8_0>, u, 4);
-#pragma GCC unroll 4
-      for (int s = 0; s < 4; ++s) {
-        __m256i pair[MR];
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          int32_t xp;
-          std::memcpy(&xp, xu + m * ldx + 8 * u + 2 * s, sizeof(xp));
-          pair[m] = _mm256_set1_epi32(xp);
-        }
-#pragma GCC unroll 4
-        for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 2
-          for (int half = 0; half < 2; ++half) {
-            const __m256i q = quants256(units + g * F::kUnit, 4 * u + s, half);
-#pragma GCC unroll 4
-            for (int m = 0; m < MR; ++m)
-              part[m][g][half] = _mm256_add_epi32(part[m][g][half], _mm256_madd_epi16(q, pair[m]));
-          }
-      }
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half) {
-        __m256 s, c2;
-        scales256<QType::Q8_0>(blk + (g0 + g) * F::kHeader, 0, half, s, c2);
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[m * ldxs + b]));
-          acc[m][g][half] =
-              _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][g][half]), sx, acc[m][g][half]);
-        }
-      }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int g = 0; g < NG; ++g)
-      for (int half = 0; half < 2; ++half)
-        _mm256_storeu_ps(out + m * NG * kGroup + g * kGroup + 8 * half, acc[m][g][half]);
-}
-
-// The byte formulation's bytes of x per 32 inputs: the nibbles' order, then (Q5_K, Q6_K)
-// the bit planes'.
-template <QType T>
-constexpr int64_t kXBytes = T == QType::Q5_K || T == QType::Q6_K ? 64 : 32;
-
-// Rows x rounded to int8 per scale unit of `width` inputs (xs = max |x| / 127; NaN where
-// the unit holds an inf or a NaN, whose outputs are then NaN as in floating point) and
-// permuted for the byte formulation, kXBytes<T> bytes per 32 inputs (row stride
-// K / 32 * kXBytes<T>): run u's 8 inputs as x0 x4 x1 x5 x2 x6 x3 x7 (of 8u ..), then Q5_K's
-// plane pairs j, j + 8 for j = 0..7 (x[2j] x[2j + 16] x[2j + 1] x[2j + 17]) or Q6_K's
-// for each 16 inputs v, j = 0..3 (x[16v + 2j] x[16v + 2j + 8] x[16v + 2j + 1] x[16v + 2j + 9]).
-// xsum = xs sum(xq) and xtotal = sum(xq) per unit.
-template <QType T>
-void quantize_rows_i8(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq,
-                      float* xs, float* xsum, int32_t* xtotal) {
-  constexpr int64_t width = kUnitInputs / Format<T>::kSubs;
-  const int64_t per_row = K / width, row_bytes = K / kUnitInputs * kXBytes<T>;
-  alignas(32) float v[32];
-  alignas(32) int8_t q[32];
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < K / kUnitInputs; ++c) {  // each 32 inputs
-      for (int64_t sub = 0; sub < kUnitInputs / width; ++sub) {
-        const at::BFloat16* p = x + m * ldx + c * kUnitInputs + sub * width;
-        __m256 big = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-        for (int64_t e = 0; e < width; e += 8) {
-          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + e));
-          const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-          _mm256_store_ps(v + sub * width + e, f);
-          big = _mm256_max_ps(big, _mm256_andnot_ps(_mm256_set1_ps(-0.f), f));
-          nan = _mm256_or_ps(nan, _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
-        }
-        __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
-        top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
-        const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 1)));
-        const bool finite = _mm256_movemask_ps(nan) == 0 && std::isfinite(top);
-        const int64_t unit = m * per_row + c * (kUnitInputs / width) + sub;
-        int8_t* qs = q + sub * width;
-        if (top == 0.f || !finite) {
-          std::memset(qs, 0, width);
-          xs[unit] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
-          xsum[unit] = 0.f;
-          xtotal[unit] = 0;
-          continue;
-        }
-        const __m256 up = _mm256_set1_ps(127.f / top);
-        int32_t total = 0;
-        for (int64_t e = 0; e < width; e += 8) {
-          const __m256 f = _mm256_load_ps(v + sub * width + e);
-          const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(f, up));  // nearest, ties to even
-          const __m128i w16 =
-              _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-          _mm_storel_epi64(reinterpret_cast<__m128i*>(qs + e), _mm_packs_epi16(w16, w16));
-          for (int i = 0; i < 8; ++i) total += qs[e + i];
-        }
-        xs[unit] = top / 127.f;
-        xsum[unit] = static_cast<float>(total) * xs[unit];
-        xtotal[unit] = total;
-      }
-      int8_t* out = xq + m * row_bytes + c * kXBytes<T>;
-      static constexpr int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-      for (int u = 0; u < 4; ++u)
-        for (int j = 0; j < 8; ++j) out[8 * u + j] = q[8 * u + kOrder[j]];
-      if constexpr (T == QType::Q5_K)
-        for (int j = 0; j < 8; ++j) {
-          out[32 + 4 * j] = q[2 * j];
-          out[33 + 4 * j] = q[2 * j + 16];
-          out[34 + 4 * j] = q[2 * j + 1];
-          out[35 + 4 * j] = q[2 * j + 17];
-        }
-      if constexpr (T == QType::Q6_K)
-        for (int v16 = 0; v16 < 2; ++v16)
-          for (int j = 0; j < 4; ++j) {
-            int8_t* o = out + 32 + 16 * v16 + 4 * j;
-            const int8_t* src = q + 16 * v16 + 2 * j;
-            o[0] = src[0], o[1] = src[8], o[2] = src[1], o[3] = src[9];
-          }
-    }
-}
-
-// The byte formulation's tile: MR rows by groups g0 .. g0 + NG - 1 of a panel of G groups
-// (xq: quantize_rows_i8's rows, stride ldx bytes). Each (row, group, half) sums a scale
-// unit in int16 lanes, one per output element, adds them into int32 (and the bit planes',
-// times 16), then adds s xs times that sum and c2 xsum to its fp32 total; where c2 is a
-// constant times s (Q4_0: -8 s, Q6_K: -32 s) that constant times sum(xq) is added to the
-// integer sum instead, one multiply-add less.
+// (row, group, half) sums a scale unit's pairs in order in int32, then adds s xs times that
+// sum and c2 xsum to its fp32 total.
 template <QType T, int MR, int NG>
-void tile_i8(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum,
-             const int32_t* xtotal, int64_t ldxs, const uint8_t* w, int64_t G, int64_t g0,
-             int64_t blocks, float* out) {
+void tile256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs,
+             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
   using F = Format<T>;
-  constexpr int32_t kOffset = F::kFold != 0.f ? static_cast<int32_t>(F::kFold) + 128 : 0;
   constexpr int kRuns = 4 / F::kSubs;
-  constexpr bool kPlanes = T == QType::Q5_K || T == QType::Q6_K;
-  constexpr int kPlaneSteps = T == QType::Q5_K ? 8 : 4, kPlaneShift = T == QType::Q5_K ? 1 : 2;
   const int64_t ahead = prefetch_distance<T>(G);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  auto broadcast = [](const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, sizeof(v));
-    return _mm256_set1_epi32(v);
-  };
   __m256 acc[MR][NG][2];
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
@@ -757,76 +608,38 @@ void tile_i8(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum,
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
     for (int i = 0; i < kUnits<T>; ++i) {
       const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-      const int8_t* xu = xq + (b * kUnits<T> + i) * kXBytes<T>;
+      const int16_t* xu = xq + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
-        __m256i sum[MR][NG][2];  // the scale unit's int32 sums
-        {
-          __m256i lanes[MR][NG][2];
+        __m256i part[MR][NG][2];
 #pragma GCC unroll 16
-          for (int m = 0; m < MR; ++m)
+        for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
-            for (int g = 0; g < NG; ++g) lanes[m][g][0] = lanes[m][g][1] = _mm256_setzero_si256();
+          for (int g = 0; g < NG; ++g) part[m][g][0] = part[m][g][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-          for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
-            if (g0 == 0)  // (the first of the tiles of a panel)
-              prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+          if (g0 == 0)  // (the first of the tiles of a panel)
+            prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
 #pragma GCC unroll 4
-            for (int g = 0; g < NG; ++g)
+          for (int s = 0; s < 4; ++s) {
+            __m256i pair[MR];
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {
+              int32_t xp;
+              std::memcpy(&xp, xu + m * ldx + 8 * u + 2 * s, sizeof(xp));
+              pair[m] = _mm256_set1_epi32(xp);
+            }
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; ++g) {
 #pragma GCC unroll 2
               for (int half = 0; half < 2; ++half) {
-                const __m256i v = _mm256_loadu_si256(
-                    reinterpret_cast<const __m256i*>(units + g * F::kUnit + u * 64 + half * 32));
-                const __m256i even = _mm256_and_si256(v, low4);  // pairs 4u, 4u + 2
-                const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // + 1, + 3
-#pragma GCC unroll 4
-                for (int m = 0; m < MR; ++m) {
-                  const int8_t* xr = xu + m * ldx + 8 * u;
-                  const __m256i products = _mm256_add_epi16(
-                      _mm256_maddubs_epi16(even, broadcast(xr)),
-                      _mm256_maddubs_epi16(odd, broadcast(xr + 4)));
-                  lanes[m][g][half] = _mm256_add_epi16(lanes[m][g][half], products);
-                }
-              }
-          }
-#pragma GCC unroll 16
-          for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-            for (int g = 0; g < NG; ++g)
-              for (int half = 0; half < 2; ++half)
-                sum[m][g][half] = _mm256_madd_epi16(lanes[m][g][half], ones);
-        }
-        if constexpr (kPlanes) {
-          const __m256i bit_mask = _mm256_set1_epi16(T == QType::Q5_K ? 0x0101 : 0x0303);
-          __m256i lanes[MR][NG][2];
-#pragma GCC unroll 16
-          for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-            for (int g = 0; g < NG; ++g) lanes[m][g][0] = lanes[m][g][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-          for (int j = 0; j < kPlaneSteps; ++j)
-#pragma GCC unroll 4
-            for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 2
-              for (int half = 0; half < 2; ++half) {
-                const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                    units + g * F::kUnit + 256 + h * 64 + half * 32));
-                const __m256i bits =
-                    _mm256_and_si256(_mm256_srli_epi16(plane, kPlaneShift * j), bit_mask);
+                const __m256i q = quants256<T>(units + g * F::kUnit, u, s, half);
 #pragma GCC unroll 4
                 for (int m = 0; m < MR; ++m)
-                  lanes[m][g][half] = _mm256_add_epi16(
-                      lanes[m][g][half],
-                      _mm256_maddubs_epi16(bits, broadcast(xu + m * ldx + 32 + 16 * h + 4 * j)));
+                  part[m][g][half] = _mm256_add_epi32(part[m][g][half], _mm256_madd_epi16(q, pair[m]));
               }
-          const __m256i sixteen = _mm256_set1_epi16(16);
-#pragma GCC unroll 16
-          for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-            for (int g = 0; g < NG; ++g)
-              for (int half = 0; half < 2; ++half)
-                sum[m][g][half] = _mm256_add_epi32(sum[m][g][half],
-                                                   _mm256_madd_epi16(lanes[m][g][half], sixteen));
+            }
+          }
         }
         const int64_t sub = b * kUnits<T> * F::kSubs + i * F::kSubs + h;
 #pragma GCC unroll 4
@@ -838,16 +651,9 @@ void tile_i8(const int8_t* xq, int64_t ldx, const float* xs, const float* xsum,
 #pragma GCC unroll 4
             for (int m = 0; m < MR; ++m) {
               const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[m * ldxs + sub]));
-              if constexpr (kOffset != 0) {
-                const __m256i total = _mm256_add_epi32(
-                    sum[m][g][half], _mm256_set1_epi32(kOffset * xtotal[m * ldxs + sub]));
-                acc[m][g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), sx, acc[m][g][half]);
-              } else {
-                const __m256 total = _mm256_cvtepi32_ps(sum[m][g][half]);
-                acc[m][g][half] = _mm256_fmadd_ps(total, sx, acc[m][g][half]);
-                acc[m][g][half] =
-                    _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][g][half]);
-              }
+              acc[m][g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][g][half]), sx, acc[m][g][half]);
+              if constexpr (T != QType::Q8_0)
+                acc[m][g][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][g][half]);
             }
           }
       }
@@ -887,20 +693,11 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   const bool few = M <= kFewRows;
   std::vector<float> sums(M * per_row), xscales;
 #if defined(GGUF_AVX2)
-  std::vector<int16_t> xq;   // Q8_0's 16-bit rows
-  std::vector<int8_t> xq8;   // the other types' int8 rows
-  std::vector<int32_t> xtotals;  // and their units' sums of those
-  const int64_t ldxq8 = K / kUnitInputs * kXBytes<T>;
+  std::vector<int16_t> xq;
   if (isa == Isa::kAvx2) {
+    xq.resize(M * K);
     xscales.resize(M * per_row);
-    if constexpr (T == QType::Q8_0) {
-      xq.resize(M * K);
-      quantize_rows256(xp, ldx, M, K, width, xq.data(), xscales.data(), sums.data());
-    } else {
-      xq8.resize(M * ldxq8);
-      xtotals.resize(M * per_row);
-      quantize_rows_i8<T>(xp, ldx, M, K, xq8.data(), xscales.data(), sums.data(), xtotals.data());
-    }
+    quantize_rows256(xp, ldx, M, K, width, xq.data(), xscales.data(), sums.data());
   }
 #endif
 #if defined(GGUF_AVX512)
@@ -965,19 +762,12 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
       if (isa == Isa::kAvx2) {
         // Tiles of up to kTileRows rows: a row alone takes the whole panel (its fp32 sums
         // spill, touched once a scale unit; walking a panel as two tiles of 2 groups left
-        // memory idle while the second ran from L2: 1.3x slower from memory), several
-        // rows one group at a time.
+        // memory idle while the second ran from L2), several rows one group at a time.
         auto tile = [&]<int MR, int TG>(int64_t m) {
           for (int64_t g = 0; g < NG; g += TG) {
             alignas(64) float part[MR * TG * kGroup];
-            const float* scales = xscales.data() + (m0 + m) * per_row;
-            if constexpr (T == QType::Q8_0)
-              tile256<MR, TG>(xq.data() + (m0 + m) * K, K, scales, per_row, w, G, g0 + g, sh.blocks,
-                              part);
-            else
-              tile_i8<T, MR, TG>(xq8.data() + (m0 + m) * ldxq8, ldxq8, scales, xs + m * per_row,
-                                 xtotals.data() + (m0 + m) * per_row, per_row, w, G, g0 + g,
-                                 sh.blocks, part);
+            tile256<T, MR, TG>(xq.data() + (m0 + m) * K, K, xscales.data() + (m0 + m) * per_row,
+                               xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
             for (int64_t j = 0; j < MR; ++j)
               std::memcpy(out + j * NG * kGroup + g * kGroup, part + j * TG * kGroup,
                           TG * kGroup * sizeof(float));
