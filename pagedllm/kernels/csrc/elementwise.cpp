@@ -301,10 +301,6 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace pagedllm
-
-namespace pagedllm {
-
 // Grammar masks applied in place: logits[rows[i], t] = -inf where bit t % 32 of word t / 32
 // of masks[i] is 0. A grammar's mask is mostly whole words of one kind (the tokens it
 // allows are few, or all but a few), so each word is skipped (all allowed), filled (none)
