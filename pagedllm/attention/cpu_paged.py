@@ -27,6 +27,7 @@ where the kernels cannot run and the reference.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -302,18 +303,50 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         starts, lens = (torch.tensor(c, dtype=torch.int64) for c in zip(*prompts))
         ops.prompt_attention(out, q, k, v, starts, lens, scale, window or 0, softcap or 0.0)
     if kernel_rows:
-        assert ctx.block_tables is not None
-        rows, q_starts, q_lens, k_lens = (list(c) for c in zip(*kernel_rows))
-        cascade = window is None and softcap is None
-
-        def make() -> KernelRows:
-            return plan_kernel_rows(rows, ctx.block_tables[rows], q_starts, q_lens, k_lens,
-                                    k_cache.shape[1], cascade)
-
-        key = ("prefill", first_row) if cascade else ("prefill", first_row, "no cascade")
-        plan = _cached_plan(ctx, key, make)
+        plan = _prefill_plan(ctx, first_row, kernel_rows, k_cache.shape[1],
+                             cascade=window is None and softcap is None)
         kernel_attention(out, q, k_cache, v_cache, plan, scale, window, softcap)
     return out
+
+
+def _prefill_plan(ctx: Context, first_row: int, kernel_rows: list[tuple[int, int, int, int]],
+                  block_size: int, cascade: bool) -> KernelRows:
+    """prefill_attention's plan of its kernel rows, (row, q_start, q_len, k_len) each, q_start
+    counted from first_row's first token (made once per step, as decode_plan)."""
+    assert ctx.block_tables is not None
+
+    def make() -> KernelRows:
+        rows, q_starts, q_lens, k_lens = (list(c) for c in zip(*kernel_rows))
+        return plan_kernel_rows(rows, ctx.block_tables[rows], q_starts, q_lens, k_lens,
+                                block_size, cascade)
+
+    key = ("prefill", first_row) if cascade else ("prefill", first_row, "no cascade")
+    return _cached_plan(ctx, key, make)
+
+
+def short_rows_plan(ctx: Context, block_size: int, cascade: bool = True) -> KernelRows | None:
+    """One plan for a whole step whose rows all take the kernel: decodes, then rows of at
+    most MAX_KERNEL_QUERY_LEN new tokens over a cached prefix (drafts being verified, a
+    short chunk); None for any other step, or where a cascade would take part of it. Its
+    rows' plans are the ones decode_attention and prefill_attention make for the step (the
+    kernel computes each row on its own), so the results are theirs bit for bit."""
+    assert ctx.seqlens_q is not None and ctx.seqlens_k is not None
+    n = ctx.num_decodes
+    if not all(len_k > len_q and len_q <= MAX_KERNEL_QUERY_LEN
+               for len_q, len_k in zip(ctx.seqlens_q[n:], ctx.seqlens_k[n:])):
+        return None
+    starts = itertools.accumulate(ctx.seqlens_q[n:-1], initial=0)
+    rows = list(zip(range(n, len(ctx.seqlens_q)), starts, ctx.seqlens_q[n:], ctx.seqlens_k[n:]))
+    plans = ([decode_plan(ctx, n, block_size, cascade)] if n else []) + \
+        [_prefill_plan(ctx, n, rows, block_size, cascade)]
+    if any(plan.prefixes for plan in plans):
+        return None
+    width = max(plan.tables.shape[1] for plan in plans)
+    tables = torch.cat([torch.nn.functional.pad(plan.tables, (0, width - plan.tables.shape[1]),
+                                                value=-1) for plan in plans])
+    q_starts = torch.cat([plans[0].q_starts] + [p.q_starts + n for p in plans[1:]])
+    return KernelRows(list(range(len(ctx.seqlens_q))), tables, q_starts,
+                      torch.cat([p.q_lens for p in plans]), torch.cat([p.k_lens for p in plans]))
 
 
 def longest_context(ctx: Context) -> int:

@@ -1,6 +1,9 @@
 """A bf16 or fp32 decode step on the CPU as one C++ call (kernels/csrc/decode_stack.cpp), beside
 cuda_graph.py's replayed decode steps: the model runner picks, per step, the model's forward,
-a CUDA graph or this stack.
+a CUDA graph or this stack. A step whose rows are decodes and rows of a few new tokens over
+a cached prefix (drafts being verified, a short chunk, a prompt after a cached prefix) is
+one too: the paged-attention kernel takes up to cpu_paged.MAX_KERNEL_QUERY_LEN query tokens
+a row.
 
 The stack runs the kernels the model's per-op forward runs (on the CPU kernels: RMSNorm or
 Gemma's, the linears' methods and biases, q/k norms, rotary, store_kv, paged attention with
@@ -265,9 +268,11 @@ class CpuDecodeStack:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context
             ) -> torch.Tensor | None:
-        """The final hidden states of a decode step, or None where the stack does not apply
-        to this step (the runner then runs the model's forward)."""
-        if ctx.is_prefill or ctx.block_tables is None:
+        """The final hidden states of a decode step, or of a step whose other rows add at
+        most cpu_paged.MAX_KERNEL_QUERY_LEN tokens each to a cached prefix (drafts being
+        verified, short chunks); None where the stack does not apply to this step (the
+        runner then runs the model's forward)."""
+        if ctx.block_tables is None:
             return None
         args = self.args
         if args is None or not args.current():
@@ -288,8 +293,12 @@ class CpuDecodeStack:
                       for window, softcap in args.attention_options]
         first = self.model.layers[0].self_attn
         block_size = args.k_caches[0].shape[1]
-        plan = (cpu_paged.decode_plan(ctx, rows, block_size, cascade=False) if all(uncascaded)
-                else cpu_paged.decode_plan(ctx, rows, block_size))
+        if ctx.is_prefill:  # drafts being verified, short chunks: every row on the kernel
+            plan = cpu_paged.short_rows_plan(ctx, block_size, cascade=not all(uncascaded))
+            if plan is None:
+                return None
+        else:
+            plan = cpu_paged.decode_plan(ctx, rows, block_size, cascade=not all(uncascaded))
         prefix_blocks, prefix_first = None, -1
         if plan.prefixes:  # cascade: one prefix shared by every row, on the attention kernel
             if (any(uncascaded) or len(plan.prefixes) != 1 or plan.prefixes[0].tokens is not None

@@ -114,6 +114,46 @@ def assert_same_logprobs(plain, spec) -> None:
             assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_verifying_steps_take_the_decode_stack_with_the_per_op_results(dtype, monkeypatch):
+    """A step of rows verifying drafts (1 + k tokens each over a cached context, beside
+    plain decodes) runs as one C++ call (engine/cpu_decode_stack.py) with the per-op
+    forward's results (enforce_eager=True), tokens and logprobs bit for bit: fp32 weights,
+    and the GGUF's kept quantized ("auto": fp32 rows on AVX2 CPUs, bf16 on AVX512-BF16
+    ones)."""
+    from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
+    steps = {"verifying": 0, "decode": 0}
+    run = CpuDecodeStack.run
+
+    def counting(self, input_ids, positions, ctx):
+        out = run(self, input_ids, positions, ctx)
+        if out is not None:
+            steps["verifying" if ctx.is_prefill else "decode"] += 1
+        return out
+
+    monkeypatch.setattr(CpuDecodeStack, "run", counting)
+    options = dict(dtype=dtype, kv_cache_memory_bytes=64 * 2**20, max_model_len=512,
+                   speculative_config=NGRAM)
+    params = [greedy(logprobs=2), greedy(), greedy(presence_penalty=0.5), greedy(n=2)]
+    stacked = LLM(**options)
+    rows = stacked.engine.model_runner.dtype
+    if not CpuDecodeStack.runs_here(rows):
+        stacked.shutdown()
+        pytest.skip(f"the decode stack does not run {rows} rows on this CPU")
+    ours = stacked.generate(PROMPTS, params, use_tqdm=False)
+    stacked.shutdown()
+    assert steps["verifying"] > 0 and steps["decode"] > 0, steps
+    verifying = steps["verifying"]
+    per_op = LLM(enforce_eager=True, **options).generate(PROMPTS, params, use_tqdm=False)
+    assert steps["verifying"] == verifying
+    assert sum(o.metrics.num_accepted_tokens for o in ours) > 0
+    for a, b in zip(ours, per_op):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == y.logprobs
+        assert a.metrics.num_accepted_tokens == b.metrics.num_accepted_tokens
+
+
 # Token controls whose effect depends on the output so far: each verified position must
 # see the drafts before it as sampled (penalty counts, min_tokens' EOS ban, bad words one
 # token from complete), or the accepted tokens differ from plain decoding's.

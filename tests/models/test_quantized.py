@@ -127,6 +127,46 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, m
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_a_short_prompt_after_a_cached_prefix_takes_the_decode_stack(monkeypatch):
+    """With prefix caching, a prompt that adds at most 32 tokens to a cached prefix (a chat's
+    next turn) is computed by the one-call stack as a decode step with several query tokens
+    per row, with the per-op forward's tokens and logprobs, bit for bit. (fp32 rows, the
+    default on AVX2 CPUs; bf16 prompt steps compute only the sampled row's last layer, op by
+    op, on both sides.)"""
+    from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
+    options = dict(kv_cache_memory_bytes=64 * 2**20, max_model_len=1024)
+    llm = LLM(**options)
+    rows = llm.engine.model_runner.dtype
+    if not CpuDecodeStack.runs_here(rows):
+        pytest.skip(f"the decode stack does not run {rows} rows on this CPU")
+    prompts = [[1000 + 7 * j for j in range(48)]]
+    prompts += [prompts[0] + [3000 + j for j in range(n)] for n in (1, 9, 20, 32)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    run = CpuDecodeStack.run
+    prompt_steps = 0
+
+    def counting(self, input_ids, positions, ctx):
+        nonlocal prompt_steps
+        out = run(self, input_ids, positions, ctx)
+        prompt_steps += out is not None and ctx.is_prefill
+        return out
+
+    monkeypatch.setattr(CpuDecodeStack, "run", counting)
+    ours = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    # after the first: cached blocks, then 1 new token (a decode step already), 9, 20 or 16
+    expected = 3 if rows == torch.float32 else 0
+    assert prompt_steps == expected
+    eager = LLM(enforce_eager=True, **options)
+    per_op = [eager.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert prompt_steps == expected
+    for a, b in zip(ours, per_op):
+        assert a.metrics.num_cached_tokens == b.metrics.num_cached_tokens
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    # (the 20- and 32-token ones also share their first new block)
+    assert [o.metrics.num_cached_tokens for o in ours] == [0, 48, 48, 48, 64]
+
+
 def test_what_cannot_stay_quantized_is_refused(tiny_gguf):
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         LLM(quantization="gguf", dtype="float16")
