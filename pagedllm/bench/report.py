@@ -64,16 +64,21 @@ def format_table(results: list[BenchResult]) -> str:
 
 
 def format_spec_table(rows: list[SpecRow]) -> str:
-    """`bench spec`: tok/s, speedup over speculation off (of the same engine), acceptance,
-    and whether the greedy tokens equal those without speculation; then, for a peer
-    (llama.cpp), whether its greedy tokens equal pagedllm's without speculation."""
+    """`bench spec`: tok/s, speedup over speculation off (of the same engine), the same for
+    decoding alone (prompts' prefill left out), acceptance, and whether the greedy tokens
+    equal those without speculation; then, for a peer (llama.cpp), whether its greedy
+    tokens equal pagedllm's without speculation."""
     header = ["workload", "streams", "engine", "speculation", "out tokens", "seconds", "tok/s",
-              "speedup", "accepted", "mean acc. len", "in draft", "same tokens"]
+              "speedup", "decode tok/s", "decode speedup", "accepted", "mean acc. len",
+              "in draft", "same tokens"]
     body = []
     for r in rows:
         body.append([r.workload, str(r.streams), r.engine, r.speculation, str(r.output_tokens),
                      f"{r.seconds:.2f}", f"{r.tok_s:.1f}",
-                     _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""), _pct(r.acceptance_rate),
+                     _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
+                     _fmt(r.decode_tok_s, ".1f"),
+                     _fmt(r.decode_speedup, ".2f") + ("x" if r.decode_speedup else ""),
+                     _pct(r.acceptance_rate),
                      _fmt(r.mean_acceptance_length, ".2f"),
                      _pct(r.draft_seconds / r.seconds if r.draft_seconds is not None else None),
                      {None: "-", True: "yes", False: "NO"}[r.same_tokens_as_off]])

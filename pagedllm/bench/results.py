@@ -94,6 +94,10 @@ class SpecRow:
     output_tokens: int
     tok_s: float
     speedup: float | None = None            # vs speculation off, same workload and streams
+    # decoding only (spec.decode_seconds: from each request's first token on), median round
+    decode_s: float | None = None
+    decode_tok_s: float | None = None
+    decode_speedup: float | None = None     # decode tok/s vs speculation off's
     same_tokens_as_off: bool | None = None
     num_drafts: int = 0
     num_draft_tokens: int = 0

@@ -143,6 +143,7 @@ class SpecBench:
                   unit="run", dynamic_ncols=True) as bar:
             for case in cases:
                 times: dict[str, list[float]] = {s: [] for s in self.settings}
+                decode_times: dict[str, list[float]] = {s: [] for s in self.settings}
                 draft_times: dict[str, list[float]] = {s: [] for s in self.settings}
                 outputs: dict[str, list[RequestOutput]] = {}
                 peer_runs: dict[str, list[LlamaMeasurement]] = {s: [] for s in peer_settings}
@@ -154,6 +155,7 @@ class SpecBench:
                         before = proposer_seconds(llm)
                         seconds, outputs[setting] = run_case(llm, case)
                         times[setting].append(seconds)
+                        decode_times[setting].append(decode_seconds(outputs[setting]))
                         if before is not None:
                             draft_times[setting].append(proposer_seconds(llm) - before)
                         bar.update(1)
@@ -164,7 +166,7 @@ class SpecBench:
                         bar.update(1)
                 for s in self.settings:
                     row = spec_row(case, s, times[s], outputs[s], outputs.get("off"),
-                                   times.get("off"))
+                                   times.get("off"), decode_times[s], decode_times.get("off"))
                     if draft_times[s]:
                         row.draft_seconds = statistics.median(draft_times[s])
                     rows.append(row)
@@ -180,13 +182,37 @@ class SpecBench:
             self.peer.close()
 
 
+def decode_seconds(outputs: list[RequestOutput]) -> float:
+    """Seconds in which some request of a pass was decoding: the union of each request's
+    span from its first token (the prompt's, which the prefill gives) to its last."""
+    spans = sorted((o.metrics.first_token_time, o.metrics.finished_time) for o in outputs
+                   if o.metrics.first_token_time is not None
+                   and o.metrics.finished_time is not None)
+    total, reach = 0.0, float("-inf")
+    for start, end in spans:
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
 def spec_row(case: SpecCase, setting: str, times: list[float], outputs: list[RequestOutput],
-             base: list[RequestOutput] | None, base_times: list[float] | None) -> SpecRow:
+             base: list[RequestOutput] | None, base_times: list[float] | None,
+             decode_times: list[float] | None = None,
+             base_decode_times: list[float] | None = None) -> SpecRow:
+    """decode_times: each round's decode_seconds (the decode columns: tokens after each
+    request's first over them, which leaves the prompts' prefill, the same with and without
+    speculation, out)."""
     seconds = statistics.median(times)
     n = sum(len(o.outputs[0].token_ids) for o in outputs)
     row = SpecRow(case.workload.name, case.streams, setting, seconds, times, n, n / seconds)
+    if decode_times:
+        row.decode_s = statistics.median(decode_times)
+        row.decode_tok_s = (n - len(outputs)) / row.decode_s if row.decode_s > 0 else None
     if base is not None and base_times:
         row.speedup = statistics.median(base_times) / seconds
+        if base_decode_times and row.decode_tok_s:
+            base_n = sum(len(o.outputs[0].token_ids) - 1 for o in base)
+            row.decode_speedup = row.decode_tok_s / (base_n / statistics.median(base_decode_times))
         row.same_tokens_as_off = all(a.outputs[0].token_ids == b.outputs[0].token_ids
                                      for a, b in zip(base, outputs, strict=True))
     for o in outputs:

@@ -12,9 +12,11 @@ import pytest
 
 from pagedllm.bench import workloads as wl
 from pagedllm.bench.report import format_spec_table
-from pagedllm.bench.spec import SpecBench, SpecCase, build_cases, speculative_config
+from pagedllm.bench.spec import (SpecBench, SpecCase, build_cases, decode_seconds,
+                                 speculative_config)
 from pagedllm.bench.spec_prompts import FAMILIES
 from pagedllm.loader import default_model_path, load_model_source
+from pagedllm.outputs import RequestMetrics, RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,17 @@ def test_cases_cover_every_family_and_stream_count_then_w1_and_w2(source):
     assert [c.ignore_eos for c in cases] == [False] * 4 + [True] * 2
 
 
+def test_decode_seconds_are_the_union_of_the_requests_decoding_spans():
+    def output(first: float | None, finished: float | None) -> RequestOutput:
+        metrics = RequestMetrics(0.0, first_token_time=first, finished_time=finished)
+        return RequestOutput("r", None, [1], [], True, metrics)
+
+    assert decode_seconds([output(1.0, 3.0), output(5.0, 6.5)]) == 3.5   # one after another
+    assert decode_seconds([output(1.0, 4.0), output(2.0, 3.0), output(3.5, 5.0)]) == 4.0
+    assert decode_seconds([output(1.0, 2.0), output(None, None)]) == 1.0  # (an error)
+    assert decode_seconds([]) == 0.0
+
+
 def test_a_tiny_run_of_every_setting_gives_the_same_tokens_and_reports_acceptance(source):
     w = wl.spec_workload("code-edit", source.tokenizer, 24)
     case = SpecCase(w, 2, ignore_eos=True)
@@ -86,6 +99,10 @@ def test_a_tiny_run_of_every_setting_gives_the_same_tokens_and_reports_acceptanc
         assert 1 < r.mean_acceptance_length <= 1 + 4
         assert all(q["mean_acceptance_length"] is not None for q in r.per_request)
     assert off.draft_seconds is None and ngram.draft_seconds is None
+    assert off.decode_speedup == pytest.approx(1.0)
+    for r in rows:  # 2 requests of 24 tokens: 23 each after the prefill's
+        assert 0 < r.decode_s < r.seconds
+        assert r.decode_tok_s == pytest.approx(46 / r.decode_s)
     table = format_spec_table(rows)
     assert "code-edit" in table and "suffix" in table and "NO" not in table
 
