@@ -58,6 +58,11 @@ class EngineConfig:
         "split long prompts into chunks that share each step's token budget with running "
         "decodes", default=True)
     block_size: int = _opt("tokens per KV-cache block", default=16)
+    kv_cache_dtype: str = _opt(
+        "KV-cache element type: auto (the activations' dtype), bfloat16 (under float32 "
+        "activations on the CPU: half the KV memory and the bytes attention reads; K and V "
+        "are rounded to bfloat16 once, as stored, in every path), float32", default="auto",
+        choices=["auto", "bfloat16", "float32"])
     enable_prefix_caching: bool = _opt("share KV blocks of identical prompt prefixes", default=True)
     preemption_mode: str = _opt(
         "what a preempted sequence's KV becomes: recompute (freed, prefilled again) or swap "
@@ -127,6 +132,17 @@ class EngineConfig:
 
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or float32; got "
+                             f"{self.kv_cache_dtype!r}")
+        if self.dtype != "auto" and self.kv_cache_dtype != "auto":
+            kv, act = _DTYPES[self.kv_cache_dtype], _DTYPES[self.dtype]
+            if kv != act and not (kv == torch.bfloat16 and act == torch.float32
+                                  and self.device in ("auto", "cpu")):
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype} with dtype={self.dtype} on "
+                    f"{self.device}: the KV cache holds the activations' dtype (auto), or "
+                    f"bfloat16 under float32 activations on the CPU")
         if self.quantization not in (None, "gguf", "none"):
             raise ValueError(f"quantization must be gguf or none, got {self.quantization!r}")
         if self.quantization == "gguf" and self.dtype not in ("auto", "bfloat16", "float32"):
@@ -192,6 +208,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return default_dtype("cuda" if self.device == "cuda" else "cpu")
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the KV cache holds: kv_cache_dtype, or the activations' dtype (auto)."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return _DTYPES[self.kv_cache_dtype]
 
     # ---- CLI ----------------------------------------------------------------------------
 

@@ -161,6 +161,7 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         keys, values = k_cache[blocks], v_cache[blocks]
     else:  # index_select copies whole blocks ~5x faster than advanced indexing (measured)
         keys, values = (c.index_select(0, blocks) for c in (k_cache, v_cache))
+    keys, values = keys.to(q.dtype), values.to(q.dtype)  # (a bf16 cache under fp32 rows)
     if prompt_kernel(q):  # pagedllm's kernel, without a mask
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = ops.attention_over_keys(out, q, keys.flatten(0, 1), values.flatten(0, 1), scale,
@@ -290,7 +291,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         elif window is not None:  # torch's, over the keys from the first query's window on
             assert ctx.block_tables is not None
             first = max(0, len_k - len_q - window + 1)
-            keys, values = (gather_window(c, ctx.block_tables[i], first, len_k)
+            keys, values = (gather_window(c, ctx.block_tables[i], first, len_k).to(q.dtype)
                             for c in (k_cache, v_cache))
             mask = torch_native.causal_mask(len_q, len_k - first, window)
             out[start:end] = torch_native._attend(q[start:end], keys, values, scale, mask, softcap)
@@ -367,6 +368,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     if not k_cache.numel():  # no cache bound (profiling runs): nothing to read in place
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
     ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    if ctx.is_prefill:  # (decode rows read the cache only)
+        k, v = torch_native.as_cached(k, v, k_cache)
     # q is a view into the step's qkv projection: the kernel reads it in place (a copy cost
     # 21 us per layer at 64 rows); the output is contiguous.
     if not ctx.is_prefill:

@@ -23,8 +23,19 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each new token's K and V into its slot (block_id * block_size + offset)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def as_cached(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New tokens' k and v as the cache holds them: rounded to its dtype (a bf16 cache under
+    fp32 activations) and back, so that attention over them equals attention over what
+    later steps read, whether the prompt was computed whole, in chunks or from a cached
+    prefix. Unchanged where the cache has their dtype (or none is bound)."""
+    if not cache.numel() or cache.dtype == k.dtype:
+        return k, v
+    return k.to(cache.dtype).to(k.dtype), v.to(cache.dtype).to(v.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -33,6 +44,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
     num_blocks = (num_tokens + block_size - 1) // block_size
     # index_select copies whole blocks ~5x faster than cache[table] (measured).
     return cache.index_select(0, block_table[:num_blocks].clamp_min(0)).flatten(0, 1)[:num_tokens]
+
+
+def gather_kv_as(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                 num_tokens: int) -> torch.Tensor:
+    """gather_kv in q's dtype (a bf16 cache under fp32 activations is widened)."""
+    return gather_kv(cache, block_table, num_tokens).to(q.dtype)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -84,7 +101,8 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None = None, softcap: float | None = None
                             ) -> torch.Tensor:
     """One sequence's len_q new tokens (already stored) over all its len_k cached tokens."""
-    keys, values = gather_kv(k_cache, block_table, len_k), gather_kv(v_cache, block_table, len_k)
+    keys = gather_kv_as(q, k_cache, block_table, len_k)
+    values = gather_kv_as(q, v_cache, block_table, len_k)
     return _attend(q, keys, values, scale, causal_mask(q.shape[0], len_k, window), softcap)
 
 
@@ -119,8 +137,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert ctx.block_tables is not None and ctx.context_lens is not None
     block_size = k_cache.shape[1]
     tables = ctx.block_tables[:len(q)].clamp_min(0)              # -1 padding -> any valid block
-    keys = k_cache[tables].flatten(1, 2)                         # [B, max_len, Hkv, D]
-    values = v_cache[tables].flatten(1, 2)
+    keys = k_cache[tables].flatten(1, 2).to(q.dtype)             # [B, max_len, Hkv, D]
+    values = v_cache[tables].flatten(1, 2).to(q.dtype)
     max_len = tables.shape[1] * block_size
     lens = ctx.context_lens[:len(q), None]
     valid = torch.arange(max_len) < lens  # [B, max_len]
@@ -144,6 +162,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               softcap: float | None = None) -> torch.Tensor:
     if k_cache.numel():
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        k, v = as_cached(k, v, k_cache)
     if not ctx.is_prefill:
         return decode_attention(q, k_cache, v_cache, ctx, scale, window, softcap)
     d = ctx.num_decodes  # a mixed batch: decode rows first, one token each

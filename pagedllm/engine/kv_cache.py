@@ -47,7 +47,7 @@ class KVCacheShape:
     def of(config: EngineConfig, mc: ModelConfig) -> KVCacheShape:
         kv_heads = max(1, mc.num_key_value_heads // config.tensor_parallel_size)
         return KVCacheShape(mc.num_hidden_layers, config.block_size, kv_heads, mc.head_dim,
-                            config.torch_dtype)
+                            config.kv_cache_torch_dtype)
 
     @property
     def block_bytes(self) -> int:
@@ -130,9 +130,9 @@ def allocate_kv_cache(config: EngineConfig, shape: KVCacheShape, device: torch.d
     kv_cache = (memory.zeros(dims, shape.dtype) if device.type == "cpu"
                 else torch.zeros(dims, dtype=shape.dtype, device=device))
     if log:
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB%s%s (budget: %s)",
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.1f MiB %s%s%s (budget: %s)",
                     num_blocks, shape.block_size, num_blocks * shape.block_size,
-                    num_blocks * shape.block_bytes / 2**20,
+                    num_blocks * shape.block_bytes / 2**20, str(shape.dtype).removeprefix("torch."),
                     " per rank" if config.tensor_parallel_size > 1 else "",
                     " on 2 MiB pages" if device.type == "cpu"
                     and memory.huge_pages_available() else "", source)

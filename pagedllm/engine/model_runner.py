@@ -194,7 +194,7 @@ class ModelRunner:
         lengths = [cfg.max_model_len] * (num_tokens // cfg.max_model_len)
         if num_tokens % cfg.max_model_len:
             lengths.append(num_tokens % cfg.max_model_len)
-        one_block = torch.zeros(self.kv_shape.tensor_shape(1), dtype=self.dtype,
+        one_block = torch.zeros(self.kv_shape.tensor_shape(1), dtype=self.kv_shape.dtype,
                                 device=self.device)
         bind_kv_cache(self.model, one_block)  # (every slot below is -1: nothing is stored)
         cu = torch.tensor([0] + lengths).cumsum(0).to(self.device)

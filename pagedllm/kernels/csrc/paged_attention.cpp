@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -67,12 +68,13 @@ struct Shapes {
 // The call's tensors. With a shared prefix (cascade attention), prefix_out/prefix_lse hold
 // each query's attention over the prefix the caller computed ([T, H, D] and [T, H]); the
 // rows' tables and k_lens then cover only what follows the prefix, and each query's two
-// partial results are merged by their log-sum-exp.
-template <typename T>
+// partial results are merged by their log-sum-exp. C: the caches' element type (bf16
+// caches under fp32 queries: a bf16 KV cache for an fp32 model), T otherwise.
+template <typename T, typename C = T>
 struct Inputs {
   const T* q;
   T* out;
-  const T *k_cache, *v_cache;
+  const C *k_cache, *v_cache;
   const int64_t *tables, *q_starts, *q_lens, *k_lens;
   float scale;
   int64_t o_stride_t = 0, o_stride_h = 0;      // out: [T, H, D]
@@ -85,8 +87,8 @@ struct Inputs {
 
 // The first key any query of item w sees (0 without a window): its first query's position
 // minus window - 1.
-template <typename T>
-inline int64_t first_key(const WorkItem& w, const Inputs<T>& in) {
+template <typename T, typename C>
+inline int64_t first_key(const WorkItem& w, const Inputs<T, C>& in) {
   if (in.window <= 0) return 0;
   const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
   return std::max<int64_t>(0, past + w.q_begin - in.window + 1);
@@ -94,9 +96,9 @@ inline int64_t first_key(const WorkItem& w, const Inputs<T>& in) {
 
 // Writes query (token, head)'s output from its unnormalised accumulator acc (sum over its
 // keys of e^(score - m) v) and sum (of e^(score - m)), merging the prefix part if any.
-template <typename T>
+template <typename T, typename C>
 inline void write_output(const float* acc, float m, float sum, int64_t token, int64_t head,
-                         int64_t d, const Shapes& s, const Inputs<T>& in) {
+                         int64_t d, const Shapes& s, const Inputs<T, C>& in) {
   T* dst = in.out + token * in.o_stride_t + head * in.o_stride_h;
   if (in.prefix_out == nullptr) {
     const float inv = 1.f / sum;
@@ -157,8 +159,8 @@ inline void for_each_key(const T* cache, const int64_t* table, int64_t begin, in
 
 // One kv head of an item. D > 0: the head dim known at compile time (fully unrolled,
 // vectorised loops); D == 0: any.
-template <typename T, int64_t D>
-void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T>& in,
+template <typename T, int64_t D, typename C = T>
+void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T, C>& in,
                  std::vector<float>& buf) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = D > 0 ? D : s.head_dim;
   const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
@@ -183,9 +185,9 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
     }
   }
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
-  for_each_key(in.k_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const T* kj) {
+  for_each_key(in.k_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const C* kj) {
     const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
-    for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<T, D>(kj, qf + r * d, d);
+    for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d);
   });
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = first_unmasked + r / group + 1 - begin;  // keys [lo, n) of the span
@@ -206,19 +208,19 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
   }
   float* acc = qf;
   std::fill(acc, acc + rows * d, 0.f);
-  for_each_key(in.v_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const T* vj) {
+  for_each_key(in.v_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const C* vj) {
     const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
-    for (int64_t r = first_r; r < rows; ++r) axpy<T, D>(scores[r * span + j - begin], vj, acc + r * d, d);
+    for (int64_t r = first_r; r < rows; ++r) axpy<C, D>(scores[r * span + j - begin], vj, acc + r * d, d);
   });
   for (int64_t r = 0; r < rows; ++r)
     write_output(acc + r * d, row_max[r], row_sum[r], first_token + r / group,
                  kv_head * group + r % group, d, s, in);
 }
 
-template <typename T, int64_t D>
+template <typename T, int64_t D, typename C = T>
 void attend_item(const WorkItem& w, int64_t h_begin, int64_t h_end, const Shapes& s,
-                 const Inputs<T>& in, std::vector<float>& buf) {
-  for (int64_t h = h_begin; h < h_end; ++h) attend_head<T, D>(w, h, s, in, buf);
+                 const Inputs<T, C>& in, std::vector<float>& buf) {
+  for (int64_t h = h_begin; h < h_end; ++h) attend_head<T, D, C>(w, h, s, in, buf);
 }
 
 #if defined(__AVX512F__)
@@ -606,22 +608,26 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
 }
 #endif  // __AVX512F__
 
-template <typename T>
-using ItemFn = void (*)(const WorkItem&, int64_t, int64_t, const Shapes&, const Inputs<T>&,
+template <typename T, typename C = T>
+using ItemFn = void (*)(const WorkItem&, int64_t, int64_t, const Shapes&, const Inputs<T, C>&,
                         std::vector<float>&);
 
-template <typename T>
-ItemFn<T> pick_item_fn(int64_t head_dim) {
+// The item function for queries of type T over caches of type C: the AVX-512 kernels where
+// both are one type, else the compiler-vectorised one (fp32 queries over a bf16 cache).
+template <typename T, typename C>
+ItemFn<T, C> pick_item_fn(int64_t head_dim) {
 #if defined(__AVX512F__)
-  if (head_dim == 64) return attend_item_simd<T, 4>;
-  if (head_dim == 128) return attend_item_simd<T, 8>;
-  if (head_dim == 256) return attend_item_simd<T, 16>;
+  if constexpr (std::is_same_v<T, C>) {
+    if (head_dim == 64) return attend_item_simd<T, 4>;
+    if (head_dim == 128) return attend_item_simd<T, 8>;
+    if (head_dim == 256) return attend_item_simd<T, 16>;
+  }
 #endif
-  return head_dim == 64 ? attend_item<T, 64> : head_dim == 128 ? attend_item<T, 128>
-                                                               : attend_item<T, 0>;
+  return head_dim == 64 ? attend_item<T, 64, C> : head_dim == 128 ? attend_item<T, 128, C>
+                                                                  : attend_item<T, 0, C>;
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
          const at::Tensor& k_lens, float scale, const c10::optional<at::Tensor>& prefix_out,
@@ -649,7 +655,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t heads_per_item = whole_rows ? s.num_kv_heads : 1;
   const int64_t items_per_chunk = s.num_kv_heads / heads_per_item;
   const int64_t n = static_cast<int64_t>(chunks.size()) * items_per_chunk;
-  Inputs<T> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+  Inputs<T, C> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                 block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale,
                 out.stride(0), out.stride(1)};
   in.window = window;
@@ -661,7 +667,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
     in.p_stride_h = prefix_out->stride(1);
     in.lse_stride_t = prefix_lse->stride(0);
   }
-  const ItemFn<T> item_fn = pick_item_fn<T>(s.head_dim);
+  const ItemFn<T, C> item_fn = pick_item_fn<T, C>(s.head_dim);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -710,8 +716,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
               "the head dimension of q, out and the caches must be contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "head_dim must match and num_heads be a multiple of num_kv_heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "q, out and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "q, out and the caches must share a dtype (or q and out float32, the caches bfloat16), got q ",
+              q.scalar_type(), ", caches ", k_cache.scalar_type());
   for (const at::Tensor* t : {&block_tables, &q_starts, &q_lens, &k_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors must be int64");
   TORCH_CHECK(q_starts.size(0) == q_lens.size(0) && k_lens.size(0) == q_lens.size(0) &&
@@ -729,6 +738,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                 "prefix_lse must be float32 [T, H] with a contiguous H");
   }
   const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {
+    run<float, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc,
+                              prefix_out, prefix_lse, window, static_cast<float>(softcap));
+    return;
+  }
   switch (q.scalar_type()) {
     case at::kFloat: run<float>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse, window, static_cast<float>(softcap)); break;
     case at::kBFloat16: run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse, window, static_cast<float>(softcap)); break;
@@ -746,9 +760,11 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
                   v_cache.is_contiguous() && k_cache.size(2) == k.size(1) &&
                   k_cache.size(3) == k.size(2),
               "caches must be contiguous [num_blocks, block_size, Hkv, D] matching k");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
-                  v_cache.scalar_type() == k.scalar_type(),
-              "k, v and the caches must share a dtype");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k.scalar_type() == k_cache.scalar_type() ||
+                   (k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "k, v and the caches must share a dtype (or k and v float32, the caches bfloat16), got k ",
+              k.scalar_type(), ", caches ", k_cache.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == k.size(0),
               "slot_mapping must be int64 [T]");
@@ -761,6 +777,27 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
+  if (k.scalar_type() != k_cache.scalar_type()) {  // fp32 rows into a bf16 cache, rounded to nearest even
+    auto* kb = k_cache.data_ptr<c10::BFloat16>();
+    auto* vb = v_cache.data_ptr<c10::BFloat16>();
+    const float* kf = k.data_ptr<float>();
+    const float* vf = v.data_ptr<float>();
+    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t dst = (slots[t] * heads + h) * d;
+          const float* ks = kf + t * k.stride(0) + h * k.stride(1);
+          const float* vs = vf + t * v.stride(0) + h * v.stride(1);
+          for (int64_t i = 0; i < d; ++i) {
+            kb[dst + i] = c10::BFloat16(ks[i]);
+            vb[dst + i] = c10::BFloat16(vs[i]);
+          }
+        }
+      }
+    });
+    return;
+  }
   const int64_t es = k.element_size();
   at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
