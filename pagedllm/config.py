@@ -59,10 +59,12 @@ class EngineConfig:
         "decodes", default=True)
     block_size: int = _opt("tokens per KV-cache block", default=16)
     kv_cache_dtype: str = _opt(
-        "KV-cache element type: auto (the activations' dtype), bfloat16 (under float32 "
-        "activations on the CPU: half the KV memory and the bytes attention reads; K and V "
-        "are rounded to bfloat16 once, as stored, in every path), float32", default="auto",
-        choices=["auto", "bfloat16", "float32"])
+        "KV-cache element type: auto (the activations' dtype, but bfloat16 for GGUF weights "
+        "kept quantized under float32 activations, as llama.cpp keeps an f16 cache), bfloat16 "
+        "(under float32 activations on the CPU: half the KV memory and the bytes attention "
+        "reads; K and V are rounded to bfloat16 once, as stored, in every path), float32, "
+        "float16 (each only where the activations have it)", default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"])
     enable_prefix_caching: bool = _opt("share KV blocks of identical prompt prefixes", default=True)
     preemption_mode: str = _opt(
         "what a preempted sequence's KV becomes: recompute (freed, prefilled again) or swap "
@@ -132,8 +134,8 @@ class EngineConfig:
 
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or float32; got "
+        if self.kv_cache_dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}; got "
                              f"{self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.kv_cache_dtype != "auto":
             kv, act = _DTYPES[self.kv_cache_dtype], _DTYPES[self.dtype]
@@ -201,6 +203,11 @@ class EngineConfig:
                                            else max(8192, self.max_model_len))
         if self.dtype == "auto":  # concrete from here on: spawned ranks get the same dtype
             self.dtype = str(default_dtype(self.device)).removeprefix("torch.")
+        if self.kv_cache_dtype == "auto":
+            # a GGUF's weights kept quantized are approximate already; fp32 activations (CPUs
+            # without native bf16) get a bf16 cache: half the bytes decode attention reads
+            gguf_fp32 = self.quantization == "gguf" and self.dtype == "float32"
+            self.kv_cache_dtype = "bfloat16" if gguf_fp32 else self.dtype
         self._validate()
 
     @property

@@ -1,5 +1,5 @@
-"""kv_cache_dtype="bfloat16" under float32 activations (the bundled model in fp32): the KV
-cache holds bf16 (twice the blocks for the same budget), greedy outputs stay close to the
+"""kv_cache_dtype="bfloat16" under float32 activations (the bundled model in fp32; the
+default for GGUF weights kept quantized under fp32 activations): the KV cache holds bf16 (twice the blocks for the same budget), greedy outputs stay close to the
 fp32 cache's (vLLM's top-5 rule), and prefix caching, chunked prefill, preemption (recompute
 and swap), speculative decoding and the one-call decode stack do not change them: every
 path attends over K/V rounded to bf16 once, as stored. Mismatched settings are refused."""
@@ -98,6 +98,22 @@ def test_a_cached_prefix_gives_the_tokens_of_the_whole_prompt(reference):
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert any(o.metrics.num_cached_tokens for o in outs)
     assert [list(o.outputs[0].token_ids) for o in outs] == reference
+
+
+def test_auto_gives_gguf_weights_kept_quantized_a_bf16_cache():
+    """kv_cache_dtype auto: the activations' dtype, but bf16 under fp32 activations when the
+    GGUF's weights are kept quantized (as llama.cpp's f16 cache); an HF-exact fp32 run
+    (weights dequantized) keeps an fp32 cache."""
+    options = dict(kv_cache_memory_bytes=2**22, max_model_len=256)
+    kept = LLM(dtype="float32", quantization="gguf", **options)
+    assert kept.engine.config.kv_cache_dtype == "bfloat16"
+    assert kept.engine.model_runner.kv_cache.dtype == torch.bfloat16
+    assert LLM(**options).engine.model_runner.kv_cache.dtype == torch.bfloat16  # (either way)
+    dequantized = LLM(dtype="float32", **options)
+    assert dequantized.engine.config.kv_cache_dtype == "float32"
+    assert dequantized.engine.model_runner.kv_cache.dtype == torch.float32
+    explicit = LLM(dtype="float32", quantization="gguf", kv_cache_dtype="float32", **options)
+    assert explicit.engine.model_runner.kv_cache.dtype == torch.float32
 
 
 def test_mismatched_settings_are_refused():
