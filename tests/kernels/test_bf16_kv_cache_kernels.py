@@ -45,11 +45,12 @@ def test_kernel_reads_a_bf16_cache_with_fp32_queries(block_size, heads, kv_heads
                               k_lens, scale)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), b.reference(scale), atol=1e-5, rtol=1e-5)
-    # the fp32 kernel over the same values widened: the same sums
+    # the fp32 kernel over the same values widened (on AVX-512 CPUs its own code: the same
+    # sums in another order)
     wide = torch.full_like(q, float("nan"))
     cpu_paged.paged_attention(wide, q, b.k_cache.float(), b.v_cache.float(), b.block_tables,
                               q_starts, q_lens, k_lens, scale)
-    torch.testing.assert_close(out, wide, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, wide, atol=1e-5, rtol=1e-5)
 
 
 def test_store_kv_rounds_fp32_rows_into_a_bf16_cache_as_torch_does():
