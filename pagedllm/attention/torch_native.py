@@ -46,12 +46,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
     return cache.index_select(0, block_table[:num_blocks].clamp_min(0)).flatten(0, 1)[:num_tokens]
 
 
-def gather_kv_as(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                 num_tokens: int) -> torch.Tensor:
-    """gather_kv in q's dtype (a bf16 cache under fp32 activations is widened)."""
-    return gather_kv(cache, block_table, num_tokens).to(q.dtype)
-
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D].
@@ -101,8 +95,8 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None = None, softcap: float | None = None
                             ) -> torch.Tensor:
     """One sequence's len_q new tokens (already stored) over all its len_k cached tokens."""
-    keys = gather_kv_as(q, k_cache, block_table, len_k)
-    values = gather_kv_as(q, v_cache, block_table, len_k)
+    # (a bf16 cache under fp32 rows widened)
+    keys, values = (gather_kv(c, block_table, len_k).to(q.dtype) for c in (k_cache, v_cache))
     return _attend(q, keys, values, scale, causal_mask(q.shape[0], len_k, window), softcap)
 
 
@@ -162,9 +156,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               softcap: float | None = None) -> torch.Tensor:
     if k_cache.numel():
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        k, v = as_cached(k, v, k_cache)
     if not ctx.is_prefill:
         return decode_attention(q, k_cache, v_cache, ctx, scale, window, softcap)
+    k, v = as_cached(k, v, k_cache)  # (decode rows read the cache only)
     d = ctx.num_decodes  # a mixed batch: decode rows first, one token each
     if d == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale, 0, window, softcap)

@@ -769,43 +769,34 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
                   slot_mapping.size(0) == k.size(0),
               "slot_mapping must be int64 [T]");
   const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), bytes = d * k.element_size();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
+  // fp32 rows into a bf16 cache are rounded to nearest even (as torch rounds); else copied
+  const bool narrow = k.scalar_type() != k_cache.scalar_type();
+  const int64_t es = k.element_size(), ces = k_cache.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
-  if (k.scalar_type() != k_cache.scalar_type()) {  // fp32 rows into a bf16 cache, rounded to nearest even
-    auto* kb = k_cache.data_ptr<c10::BFloat16>();
-    auto* vb = v_cache.data_ptr<c10::BFloat16>();
-    const float* kf = k.data_ptr<float>();
-    const float* vf = v.data_ptr<float>();
-    at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        if (slots[t] < 0) continue;
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t dst = (slots[t] * heads + h) * d;
-          const float* ks = kf + t * k.stride(0) + h * k.stride(1);
-          const float* vs = vf + t * v.stride(0) + h * v.stride(1);
-          for (int64_t i = 0; i < d; ++i) {
-            kb[dst + i] = c10::BFloat16(ks[i]);
-            vb[dst + i] = c10::BFloat16(vs[i]);
-          }
-        }
-      }
-    });
-    return;
-  }
-  const int64_t es = k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  // one head vector from src to dst
+  auto store = [&](char* dst, const char* src) {
+    if (!narrow) {
+      std::memcpy(dst, src, d * es);
+      return;
+    }
+    const float* f = reinterpret_cast<const float*>(src);
+    c10::BFloat16* b = reinterpret_cast<c10::BFloat16*>(dst);
+    for (int64_t i = 0; i < d; ++i) b[i] = c10::BFloat16(f[i]);
+  };
   at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;  // -1: not stored
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = (slots[t] * heads + h) * bytes;
-        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
-        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+        const int64_t dst = (slots[t] * heads + h) * d * ces;
+        store(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * es);
+        store(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * es);
       }
     }
   });
