@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from decode_stack_counts import counting_stack_steps  # tests/ (pytest prepends the rootdir)
 from engine_cache import bounded_engine_cache  # tests/ (pytest prepends the rootdir)
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
@@ -122,16 +123,7 @@ def test_verifying_steps_take_the_decode_stack_with_the_per_op_results(dtype, mo
     and the GGUF's kept quantized ("auto": fp32 rows on AVX2 CPUs, bf16 on AVX512-BF16
     ones)."""
     from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
-    steps = {"verifying": 0, "decode": 0}
-    run = CpuDecodeStack.run
-
-    def counting(self, input_ids, positions, ctx):
-        out = run(self, input_ids, positions, ctx)
-        if out is not None:
-            steps["verifying" if ctx.is_prefill else "decode"] += 1
-        return out
-
-    monkeypatch.setattr(CpuDecodeStack, "run", counting)
+    counts = counting_stack_steps(monkeypatch)
     options = dict(dtype=dtype, kv_cache_memory_bytes=64 * 2**20, max_model_len=512,
                    speculative_config=NGRAM)
     params = [greedy(logprobs=2), greedy(), greedy(presence_penalty=0.5), greedy(n=2)]
@@ -142,10 +134,10 @@ def test_verifying_steps_take_the_decode_stack_with_the_per_op_results(dtype, mo
         pytest.skip(f"the decode stack does not run {rows} rows on this CPU")
     ours = stacked.generate(PROMPTS, params, use_tqdm=False)
     stacked.shutdown()
-    assert steps["verifying"] > 0 and steps["decode"] > 0, steps
-    verifying = steps["verifying"]
+    verifying = counts["several"]
+    assert 0 < verifying < counts["stack"], counts  # verifying steps and plain decodes
     per_op = LLM(enforce_eager=True, **options).generate(PROMPTS, params, use_tqdm=False)
-    assert steps["verifying"] == verifying
+    assert counts["several"] == verifying
     assert sum(o.metrics.num_accepted_tokens for o in ours) > 0
     for a, b in zip(ours, per_op):
         for x, y in zip(a.outputs, b.outputs, strict=True):

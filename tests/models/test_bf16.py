@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decode_stack_counts import counting_stack_steps  # tests/ (pytest prepends the rootdir)
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.cpu_decode_stack import CpuDecodeStack
@@ -88,21 +89,6 @@ def test_bf16_greedy_close_to_hf_bf16(llm, hf_bf16):
             assert theirs[same] in _our_top5(llm, prefix), (prompt, same)
     # Not a lucky top-5 walk: most of the tokens agree exactly.
     assert agreed >= len(PROMPTS) * NEW_TOKENS // 2, agreed
-
-
-def counting_stack_steps(monkeypatch) -> dict[str, int]:
-    """Count the decode steps the one-call stack runs (CpuDecodeStack.run returning hidden
-    states), in counts["stack"]."""
-    counts = {"stack": 0}
-    run = CpuDecodeStack.run
-
-    def counting(self, input_ids, positions, ctx):
-        out = run(self, input_ids, positions, ctx)
-        counts["stack"] += out is not None
-        return out
-
-    monkeypatch.setattr(CpuDecodeStack, "run", counting)
-    return counts
 
 
 def assert_stack_equals_per_op(model: str, prompts: list[list[int]], monkeypatch,

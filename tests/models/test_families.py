@@ -137,7 +137,8 @@ def test_longrope_takes_the_decode_stack_on_either_side_of_the_original_context(
     import json
     import shutil
 
-    from test_bf16 import assert_stack_equals_per_op, counting_stack_steps
+    from decode_stack_counts import counting_stack_steps  # tests/ (pytest prepends the rootdir)
+    from test_bf16 import assert_stack_equals_per_op
     built, prompts, _ = models("phi3")
     model = tmp_path / "phi3"
     shutil.copytree(built.hf_dir, model)

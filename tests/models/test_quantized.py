@@ -11,6 +11,7 @@ import torch
 
 from gguf import GGMLQuantizationType as Q
 
+from decode_stack_counts import counting_stack_steps  # tests/ (pytest prepends the rootdir)
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import probes
 from pagedllm.layers.linear import LinearBase
@@ -103,23 +104,14 @@ def test_fused_decode_stack_gives_the_per_op_forwards_tokens_and_logprobs(llm, m
     lengths = [15, 16, 17, 40, 3, 33, 64]
     prompts = [[1000 + 37 * i + j for j in range(length)] for i, length in enumerate(lengths)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    run = CpuDecodeStack.run
-    calls = 0
-
-    def counting(self, input_ids, positions, ctx):
-        nonlocal calls
-        out = run(self, input_ids, positions, ctx)
-        calls += out is not None
-        return out
-
-    monkeypatch.setattr(CpuDecodeStack, "run", counting)
+    counts = counting_stack_steps(monkeypatch)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:3]]
     for rows in (1, 3, 7):
-        calls = 0
+        counts["stack"] = 0
         ours = llm.generate(prompts[:rows], params, use_tqdm=False)
-        assert calls == 11
+        assert counts["stack"] == 11
         per_op = eager.generate(prompts[:rows], params, use_tqdm=False)
-        assert calls == 11
+        assert counts["stack"] == 11
         for a, b in zip(ours, per_op):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
@@ -142,23 +134,14 @@ def test_a_short_prompt_after_a_cached_prefix_takes_the_decode_stack(monkeypatch
     prompts = [[1000 + 7 * j for j in range(48)]]
     prompts += [prompts[0] + [3000 + j for j in range(n)] for n in (1, 9, 20, 32)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
-    run = CpuDecodeStack.run
-    prompt_steps = 0
-
-    def counting(self, input_ids, positions, ctx):
-        nonlocal prompt_steps
-        out = run(self, input_ids, positions, ctx)
-        prompt_steps += out is not None and ctx.is_prefill
-        return out
-
-    monkeypatch.setattr(CpuDecodeStack, "run", counting)
+    counts = counting_stack_steps(monkeypatch)
     ours = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     # after the first: cached blocks, then 1 new token (a decode step already), 9, 20 or 16
     expected = 3 if rows == torch.float32 else 0
-    assert prompt_steps == expected
+    assert counts["several"] == expected
     eager = LLM(enforce_eager=True, **options)
     per_op = [eager.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    assert prompt_steps == expected
+    assert counts["several"] == expected
     for a, b in zip(ours, per_op):
         assert a.metrics.num_cached_tokens == b.metrics.num_cached_tokens
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
