@@ -127,8 +127,9 @@ def collapse_to_huge_pages(ranges: list[tuple[int, int]]) -> int:
 def collapse_errno(address: int, nbytes: int, tries: int = 3) -> int:
     """MADV_HUGEPAGE then MADV_COLLAPSE on a 2 MiB-aligned range: 0 on success, else the
     errno (EAGAIN and ENOMEM: the kernel found no free 2 MiB pages just then, which
-    fragmented memory makes common; EAGAIN is retried, as the kernel's documentation
-    suggests; EINVAL: a kernel before 6.1)."""
+    fragmented memory makes common; both are retried, EAGAIN as the kernel's documentation
+    suggests and ENOMEM because the failed try's compaction often frees a page for the
+    next (a CI machine showed it); EINVAL: a kernel before 6.1)."""
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
@@ -140,7 +141,7 @@ def collapse_errno(address: int, nbytes: int, tries: int = 3) -> int:
         if madvise(address, nbytes, _MADV_COLLAPSE) == 0:
             return 0
         err = ctypes.get_errno()
-        if err != errno.EAGAIN:
+        if err not in (errno.EAGAIN, errno.ENOMEM):
             return err
     return err
 
