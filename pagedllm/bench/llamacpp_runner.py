@@ -77,6 +77,9 @@ def gguf_tensor_bytes(path: str) -> int:
     return sum(t.n_bytes for t in read_gguf(path).tensors)
 
 
+THROUGHPUT_TIMEOUT_S = 6 * 3600.0  # one throughput run's longest wait for an answer
+
+
 class LlamaCppRunner:
     engine = "llama.cpp"
 
@@ -143,8 +146,9 @@ class LlamaCppRunner:
         return {"prompt": r.prompt_token_ids, "n_predict": r.output_len, "ignore_eos": True,
                 "temperature": 0.0, "cache_prompt": self.cache_prompt, "stream": stream}
 
-    def _complete(self, r: BenchRequest) -> int:
-        out = request_json("POST", f"{self.url}/completion", self._body(r, stream=False))
+    def _complete(self, r: BenchRequest, timeout: float = 600.0) -> int:
+        out = request_json("POST", f"{self.url}/completion", self._body(r, stream=False),
+                           timeout=timeout)
         return int(out["tokens_predicted"])
 
     def complete_tokens(self, prompt: list[int], n_predict: int, ignore_eos: bool) -> dict:
@@ -165,11 +169,13 @@ class LlamaCppRunner:
             self._complete(r)
 
     def throughput(self, workload: Workload) -> ThroughputRun:
-        """Every request sent at once; the server queues what its slots cannot take yet."""
+        """Every request sent at once; the server queues what its slots cannot take yet, so
+        the last answer can take as long as the whole run (on a 2-core AVX2 CPU, 64 W1
+        requests took llama-server over 600 s: the per-request limit is the run's)."""
         reqs = workload.requests
         t = time.perf_counter()
         with ThreadPoolExecutor(max_workers=min(len(reqs), 256)) as pool:
-            lens = list(pool.map(self._complete, reqs))
+            lens = list(pool.map(lambda r: self._complete(r, timeout=THROUGHPUT_TIMEOUT_S), reqs))
         return ThroughputRun(time.perf_counter() - t, lens)
 
     def latency(self, workload: Workload, iters: int) -> LatencyRun:

@@ -53,8 +53,8 @@
 // than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout but computes in
 // integers (see its section): a 32-byte half of a word vector is 8 outputs' pairs of q,
 // multiplied by a row's pair of 16-bit x with VPMADDWD, in tiles of 1 row by a whole
-// panel or 2-4 rows by 1 group; a panel's first tile prefetches as the AVX-512 one-row
-// tiles.
+// panel (up to 3 rows) or 1-4 rows by 1 group; a panel's one-row tiles and a chunk's first
+// many-row tile prefetch as the AVX-512 one-row tiles.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -592,53 +592,46 @@ void quantize_rows256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, 
     }
 }
 
-// The tile's sums for MR rows by groups g0 .. g0 + NG - 1 of a panel of G groups: each
-// (row, group, half) sums a scale unit's pairs in order in int32, then adds s xs times that
-// sum and c2 xsum to its fp32 total.
-template <QType T, int MR, int NG>
-void tile256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs,
-             const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out) {
+// The sums of one row (xq, its unit scales xs and sums xsum) by the NG groups of a panel of
+// G groups, whole: each (group, half) sums a scale unit's pairs in order in int32, then adds
+// s xs times that sum and c2 xsum to its fp32 total. The tile prefetches the panel ahead.
+template <QType T, int NG>
+void row256(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, int64_t G,
+            int64_t blocks, float* out) {
   using F = Format<T>;
   constexpr int kRuns = 4 / F::kSubs;
   const int64_t ahead = prefetch_distance<T>(G);
-  __m256 acc[MR][NG][2];
-  for (int m = 0; m < MR; ++m)
-    for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm256_setzero_ps();
+  __m256 acc[NG][2];
+  for (int g = 0; g < NG; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * G * kGroupBlock<T>;
     for (int i = 0; i < kUnits<T>; ++i) {
-      const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+      const uint8_t* units = blk + G * F::kHeader + i * G * F::kUnit;
       const int16_t* xu = xq + b * F::kBlock + i * kUnitInputs;
 #pragma GCC unroll 2
       for (int h = 0; h < F::kSubs; ++h) {
-        __m256i part[MR][NG][2];
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-          for (int g = 0; g < NG; ++g) part[m][g][0] = part[m][g][1] = _mm256_setzero_si256();
+        __m256i part[NG][2];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g) part[g][0] = part[g][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
-          if (g0 == 0)  // (the first of the tiles of a panel)
-            prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+          prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
 #pragma GCC unroll 4
           for (int s = 0; s < 4; ++s) {
-            __m256i pair[MR];
+            int32_t xp;
+            std::memcpy(&xp, xu + 8 * u + 2 * s, sizeof(xp));
+            const __m256i pair = _mm256_set1_epi32(xp);
 #pragma GCC unroll 4
-            for (int m = 0; m < MR; ++m) {
-              int32_t xp;
-              std::memcpy(&xp, xu + m * ldx + 8 * u + 2 * s, sizeof(xp));
-              pair[m] = _mm256_set1_epi32(xp);
-            }
-#pragma GCC unroll 4
-            for (int g = 0; g < NG; ++g) {
+            for (int g = 0; g < NG; ++g)
 #pragma GCC unroll 2
               for (int half = 0; half < 2; ++half) {
                 const __m256i q = quants256<T>(units + g * F::kUnit, u, s, half);
-#pragma GCC unroll 4
-                for (int m = 0; m < MR; ++m)
-                  part[m][g][half] = _mm256_add_epi32(part[m][g][half], _mm256_madd_epi16(q, pair[m]));
+                part[g][half] = _mm256_add_epi32(part[g][half], _mm256_madd_epi16(q, pair));
+                // Each sum stays one chain in a register: without this GCC re-associates
+                // the unrolled pairs' sums into trees whose partial results spill (one row
+                // of Q4_K streamed 1.2x slower).
+                __asm__("" : "+x"(part[g][half]));
               }
-            }
           }
         }
         const int64_t sub = b * kUnits<T> * F::kSubs + i * F::kSubs + h;
@@ -647,22 +640,79 @@ void tile256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
 #pragma GCC unroll 2
           for (int half = 0; half < 2; ++half) {
             __m256 s, c2;
-            scales256<T>(blk + (g0 + g) * F::kHeader, i * F::kSubs + h, half, s, c2);
-#pragma GCC unroll 4
-            for (int m = 0; m < MR; ++m) {
-              const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[m * ldxs + sub]));
-              acc[m][g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][g][half]), sx, acc[m][g][half]);
-              if constexpr (T != QType::Q8_0)
-                acc[m][g][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][g][half]);
-            }
+            scales256<T>(blk + g * F::kHeader, i * F::kSubs + h, half, s, c2);
+            const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[sub]));
+            acc[g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[g][half]), sx, acc[g][half]);
+            if constexpr (T != QType::Q8_0)
+              acc[g][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[sub]), c2, acc[g][half]);
           }
       }
     }
   }
+  for (int g = 0; g < NG; ++g)
+    for (int half = 0; half < 2; ++half)
+      _mm256_storeu_ps(out + g * kGroup + 8 * half, acc[g][half]);
+}
+
+// The sums of MR rows (row stride ldx; their unit scales and sums at stride ldxs) by group g
+// of a panel of G groups, in row256's order. Per pair the group's two halves are unpacked,
+// then each row's pair is broadcast and multiplied into its two sums: 2 MR + 3 vectors live
+// (and each sum kept one chain, as in row256: the trees GCC made of the unrolled sums
+// spilled, and the kernel ran 1.5x slower from 16 rows on). The chunk's first tile
+// (prefetch) prefetches the panel ahead; the others find it in cache.
+template <QType T, int MR>
+void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs,
+             const uint8_t* w, int64_t G, int64_t g, int64_t blocks, bool prefetch, float* out) {
+  using F = Format<T>;
+  constexpr int kRuns = 4 / F::kSubs;
+  const int64_t ahead = prefetch_distance<T>(G);
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * G * kGroupBlock<T>;
+    for (int i = 0; i < kUnits<T>; ++i) {
+      const uint8_t* unit = blk + G * F::kHeader + (i * G + g) * F::kUnit;
+      const int16_t* xu = xq + b * F::kBlock + i * kUnitInputs;
+#pragma GCC unroll 1
+      for (int h = 0; h < F::kSubs; ++h) {
+        __m256i part[MR][2];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+          if (prefetch) prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+            const __m256i q0 = quants256<T>(unit, u, s, 0), q1 = quants256<T>(unit, u, s, 1);
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {
+              int32_t xp;
+              std::memcpy(&xp, xu + m * ldx + 8 * u + 2 * s, sizeof(xp));
+              const __m256i pair = _mm256_set1_epi32(xp);
+              part[m][0] = _mm256_add_epi32(part[m][0], _mm256_madd_epi16(q0, pair));
+              part[m][1] = _mm256_add_epi32(part[m][1], _mm256_madd_epi16(q1, pair));
+              __asm__("" : "+x"(part[m][0]), "+x"(part[m][1]));
+            }
+          }
+        }
+        const int64_t sub = b * kUnits<T> * F::kSubs + i * F::kSubs + h;
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          __m256 s, c2;
+          scales256<T>(blk + g * F::kHeader, i * F::kSubs + h, half, s, c2);
+#pragma GCC unroll 4
+          for (int m = 0; m < MR; ++m) {
+            const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[m * ldxs + sub]));
+            acc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][half]), sx, acc[m][half]);
+            if constexpr (T != QType::Q8_0)
+              acc[m][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][half]);
+          }
+        }
+      }
+    }
+  }
   for (int m = 0; m < MR; ++m)
-    for (int g = 0; g < NG; ++g)
-      for (int half = 0; half < 2; ++half)
-        _mm256_storeu_ps(out + m * NG * kGroup + g * kGroup + 8 * half, acc[m][g][half]);
+    for (int half = 0; half < 2; ++half) _mm256_storeu_ps(out + m * kGroup + 8 * half, acc[m][half]);
 }
 #endif  // GGUF_AVX2
 
@@ -760,29 +810,37 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
 #endif
 #if defined(GGUF_AVX2)
       if (isa == Isa::kAvx2) {
-        // Tiles of up to kTileRows rows: a row alone takes the whole panel (its fp32 sums
-        // spill, touched once a scale unit; walking a panel as two tiles of 2 groups left
-        // memory idle while the second ran from L2), several rows one group at a time.
-        auto tile = [&]<int MR, int TG>(int64_t m) {
-          for (int64_t g = 0; g < NG; g += TG) {
-            alignas(64) float part[MR * TG * kGroup];
-            tile256<T, MR, TG>(xq.data() + (m0 + m) * K, K, xscales.data() + (m0 + m) * per_row,
-                               xs + m * per_row, per_row, w, G, g0 + g, sh.blocks, part);
-            for (int64_t j = 0; j < MR; ++j)
-              std::memcpy(out + j * NG * kGroup + g * kGroup, part + j * TG * kGroup,
-                          TG * kGroup * sizeof(float));
+        // A row alone takes the whole panel (its fp32 sums spill, touched once a scale
+        // unit; walking a panel as two tiles of 2 groups left memory idle while the second
+        // ran from L2); many rows, tiles of up to kTileRows rows by one group.
+        const int16_t* xr = xq.data() + m0 * K;
+        const float* xsr = xscales.data() + m0 * per_row;
+        if (few) {
+          for (int64_t m = 0; m < rows; ++m) {
+            if (G == 4) row256<T, 4>(xr + m * K, xsr + m * per_row, xs + m * per_row, w, G, sh.blocks, out);
+            else row256<T, 2>(xr + m * K, xsr + m * per_row, xs + m * per_row, w, G, sh.blocks, out);
+            store_rows(m, 1);
           }
-          store_rows(m, MR);
-        };
-        for (int64_t m = 0; m < rows; m += kTileRows) {
-          switch (std::min<int64_t>(kTileRows, rows - m)) {
-            case 1:
-              if (NG == 4) tile.template operator()<1, 4>(m);
-              else tile.template operator()<1, 2>(m);
-              break;
-            case 2: tile.template operator()<2, 1>(m); break;
-            case 3: tile.template operator()<3, 1>(m); break;
-            default: tile.template operator()<4, 1>(m); break;
+        } else {
+          for (int64_t m = 0; m < rows; m += kTileRows) {
+            const int64_t r = std::min<int64_t>(kTileRows, rows - m);
+            auto tile = [&]<int MR>() {
+              for (int64_t g = 0; g < NG; ++g) {
+                alignas(64) float part[MR * kGroup];
+                rows256<T, MR>(xr + m * K, K, xsr + m * per_row, xs + m * per_row, per_row, w, G,
+                               g0 + g, sh.blocks, m == 0, part);
+                for (int64_t j = 0; j < MR; ++j)
+                  std::memcpy(out + j * NG * kGroup + g * kGroup, part + j * kGroup,
+                              kGroup * sizeof(float));
+              }
+            };
+            switch (r) {
+              case 1: tile.template operator()<1>(); break;
+              case 2: tile.template operator()<2>(); break;
+              case 3: tile.template operator()<3>(); break;
+              default: tile.template operator()<4>(); break;
+            }
+            store_rows(m, r);
           }
         }
       }
