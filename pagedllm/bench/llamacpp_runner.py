@@ -22,8 +22,11 @@ from pagedllm.utils import cdiv
 
 __all__ = ["LlamaBenchRunner", "LlamaCppRunner", "gguf_for_dtype"]
 
-_KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-# llama-bench parses no f32 cache type (its ggml_type_from_name): f16, its default, there.
+# llama.cpp's KV cache takes the element size of pagedllm's (EngineConfig's resolved
+# kv_cache_dtype: bf16 for a GGUF kept quantized under fp32 activations): f32, or f16 (its
+# default and best-tuned type) for a 16-bit cache. llama-bench parses no f32 cache type (its
+# ggml_type_from_name): f16 there.
+_KV_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16"}
 _BENCH_KV_TYPES = {**_KV_TYPES, "float32": "f16"}
 
 
@@ -85,11 +88,16 @@ class LlamaCppRunner:
 
     def __init__(self, binary: str, gguf: str, dtype: str, threads: int, parallel: int,
                  max_seq_len: int, cache_prompt: bool = True, startup_timeout: float = 300.0,
-                 user_gguf: bool = False, extra_args: tuple[str, ...] = ()) -> None:
-        """extra_args go to llama-server as given (e.g. its speculative-decoding flags)."""
-        if dtype not in _KV_TYPES:
-            raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r}")
+                 user_gguf: bool = False, extra_args: tuple[str, ...] = (),
+                 kv_dtype: str | None = None) -> None:
+        """extra_args go to llama-server as given (e.g. its speculative-decoding flags);
+        kv_dtype: the KV cache dtype of the pagedllm run compared with (default dtype)."""
+        kv_dtype = kv_dtype or dtype
+        if dtype not in _KV_TYPES or kv_dtype not in _KV_TYPES:
+            raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r} "
+                             f"(KV cache {kv_dtype!r})")
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
+        self.kv_type = _KV_TYPES[kv_dtype]
         self.parallel, self.cache_prompt, self.user_gguf = parallel, cache_prompt, user_gguf
         self.slot_ctx = cdiv(max_seq_len + 16, 256) * 256  # a slot holds the longest request
         self.port = _free_port()
@@ -100,7 +108,7 @@ class LlamaCppRunner:
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                "-c", str(parallel * self.slot_ctx), "--cont-batching",
-               "-ctk", _KV_TYPES[dtype], "-ctv", _KV_TYPES[dtype], "--no-webui", *extra_args]
+               "-ctk", self.kv_type, "-ctv", self.kv_type, "--no-webui", *extra_args]
         self.cmd = cmd
         t = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
@@ -136,7 +144,7 @@ class LlamaCppRunner:
 
     def settings(self) -> dict:
         return {"parallel_slots": self.parallel, "slot_ctx": self.slot_ctx,
-                "cache_prompt": self.cache_prompt, "kv_cache_type": _KV_TYPES[self.dtype],
+                "cache_prompt": self.cache_prompt, "kv_cache_type": self.kv_type,
                 "gguf": os.path.basename(self.gguf), "load_s": round(self.load_s, 2),
                 # a GGUF the user chose (--llama-gguf, e.g. the Q4_1 original) is named in the rows
                 **({"label": os.path.basename(self.gguf), "weight_bytes": gguf_tensor_bytes(self.gguf)}
@@ -223,10 +231,13 @@ class LlamaBenchRunner:
     engine = "llama-bench"
 
     def __init__(self, binary: str, gguf: str, dtype: str, threads: int,
-                 user_gguf: bool = False) -> None:
-        if dtype not in _KV_TYPES:
-            raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r}")
+                 user_gguf: bool = False, kv_dtype: str | None = None) -> None:
+        kv_dtype = kv_dtype or dtype
+        if dtype not in _KV_TYPES or kv_dtype not in _KV_TYPES:
+            raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r} "
+                             f"(KV cache {kv_dtype!r})")
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
+        self.kv_type = _BENCH_KV_TYPES[kv_dtype]
         self.user_gguf = user_gguf
         self._version = server_version(binary)
 
@@ -234,7 +245,7 @@ class LlamaBenchRunner:
         """Tokens per second of each repetition of one llama-bench test."""
         cmd = [self.binary, "-m", self.gguf, "-t", str(self.threads), "-p", str(prompt),
                "-n", str(gen), "-d", str(depth), "-r", str(iters), "-o", "json",
-               "-ctk", _BENCH_KV_TYPES[self.dtype], "-ctv", _BENCH_KV_TYPES[self.dtype]]
+               "-ctk", self.kv_type, "-ctv", self.kv_type]
         run = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if run.returncode != 0:
             raise RuntimeError(f"llama-bench exited with code {run.returncode}: "
@@ -246,7 +257,7 @@ class LlamaBenchRunner:
         return {"llama.cpp": self._version}
 
     def settings(self) -> dict:
-        return {"kv_cache_type": _BENCH_KV_TYPES[self.dtype], "gguf": os.path.basename(self.gguf),
+        return {"kv_cache_type": self.kv_type, "gguf": os.path.basename(self.gguf),
                 **({"label": os.path.basename(self.gguf), "weight_bytes": gguf_tensor_bytes(self.gguf)}
                    if self.user_gguf else {})}
 

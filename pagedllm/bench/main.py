@@ -411,7 +411,8 @@ class Bench:
         for on in ([True, False] if self._has("prefix") else [True]):
             self._run_peer(dtype, lambda: LlamaCppRunner(
                 self.args.llama_server, gguf, dtype, self.args.threads, self.args.llama_parallel,
-                ctx, cache_prompt=on, user_gguf=self.args.llama_gguf is not None),
+                ctx, cache_prompt=on, user_gguf=self.args.llama_gguf is not None,
+                kv_dtype=self._kv_dtype(dtype)),
                 workloads=None if on else self._only("prefix"),
                 prefix_label=f"prompt cache {'on' if on else 'off'}")
 
@@ -421,7 +422,16 @@ class Bench:
         gguf = self.args.llama_gguf or gguf_for_dtype(self.model_path, dtype)
         self._run_peer(dtype, lambda: LlamaBenchRunner(
             default_llama_bench(self.args.llama_server), gguf, dtype, self.args.threads,
-            user_gguf=self.args.llama_gguf is not None), workloads=self._only("latency"))
+            user_gguf=self.args.llama_gguf is not None, kv_dtype=self._kv_dtype(dtype)),
+            workloads=self._only("latency"))
+
+    def _kv_dtype(self, dtype: str) -> str:
+        """The KV cache dtype pagedllm ran with at dtype (its engine's resolved setting), for
+        the peers' cache; the option as given, or dtype, where pagedllm did not run."""
+        for r in self.results:
+            if r.engine == "pagedllm" and r.dtype == dtype and r.settings.get("kv_cache_dtype"):
+                return r.settings["kv_cache_dtype"]
+        return dtype if self.args.kv_cache_dtype in (None, "auto") else self.args.kv_cache_dtype
 
     def _has(self, name: str) -> bool:
         return any(w.name == name for w in self.workloads)

@@ -47,7 +47,7 @@ def test_latency_is_the_prompt_rate_and_the_decode_samples_at_the_prompt_depth(f
     flags = [dict(zip(c[::2], c[1::2])) for c in calls]
     assert [(f["-p"], f["-n"], f["-d"], f["-r"]) for f in flags] == [
         ("100", "0", "0", "3"), ("0", "32", "100", "3")]
-    assert all(f["-t"] == "2" and f["-ctk"] == "bf16" and f["-m"] == "m.gguf" for f in flags)
+    assert all(f["-t"] == "2" and f["-ctk"] == "f16" and f["-m"] == "m.gguf" for f in flags)
     with pytest.raises(NotImplementedError):
         runner.throughput(w)
 
@@ -59,3 +59,19 @@ def test_a_failing_llama_bench_is_a_clear_error(tmp_path):
     runner = LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1)
     with pytest.raises(RuntimeError, match="(?s)llama-bench exited with code 3.*no model"):
         runner.latency(Workload("latency", "", [BenchRequest([1, 2, 3], 4)]), iters=1)
+
+
+def test_the_cache_type_follows_pagedllms_kv_cache(fake_bench):
+    # A GGUF kept quantized under fp32 activations runs a bf16 cache (EngineConfig's auto):
+    # llama.cpp gets its own 16-bit type, f16, not an fp32 cache that reads twice the bytes.
+    binary, log = fake_bench
+    w = Workload("latency", "", [BenchRequest(list(range(10)), 4)])
+    for dtype, kv, flag in (("float32", "bfloat16", "f16"), ("float32", None, "f16"),
+                            ("bfloat16", "bfloat16", "f16")):
+        runner = LlamaBenchRunner(str(binary), "m.gguf", dtype, threads=1, kv_dtype=kv)
+        runner.latency(w, iters=1)
+        assert runner.settings()["kv_cache_type"] == flag
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {dict(zip(c[::2], c[1::2]))["-ctk"] for c in calls} == {"f16"}
+    with pytest.raises(ValueError, match="KV cache 'int8'"):
+        LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1, kv_dtype="int8")
