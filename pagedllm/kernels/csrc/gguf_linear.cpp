@@ -592,6 +592,15 @@ void quantize_rows256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, 
     }
 }
 
+// A scale unit's int32 sum (part) of 8 outputs added to their fp32 total: s xs part + c2
+// xsum (xs, xsum: the row's unit scale and sum), in every tile's order.
+template <QType T>
+inline __m256 add_unit256(__m256 acc, __m256i part, __m256 s, __m256 c2, float xs, float xsum) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part), _mm256_mul_ps(s, _mm256_set1_ps(xs)), acc);
+  if constexpr (T != QType::Q8_0) acc = _mm256_fmadd_ps(_mm256_set1_ps(xsum), c2, acc);
+  return acc;
+}
+
 // The sums of one row (xq, its unit scales xs and sums xsum) by the NG groups of a panel of
 // G groups, whole: each (group, half) sums a scale unit's pairs in order in int32, then adds
 // s xs times that sum and c2 xsum to its fp32 total. The tile prefetches the panel ahead.
@@ -641,10 +650,7 @@ void row256(const int16_t* xq, const float* xs, const float* xsum, const uint8_t
           for (int half = 0; half < 2; ++half) {
             __m256 s, c2;
             scales256<T>(blk + g * F::kHeader, i * F::kSubs + h, half, s, c2);
-            const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[sub]));
-            acc[g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[g][half]), sx, acc[g][half]);
-            if constexpr (T != QType::Q8_0)
-              acc[g][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[sub]), c2, acc[g][half]);
+            acc[g][half] = add_unit256<T>(acc[g][half], part[g][half], s, c2, xs[sub], xsum[sub]);
           }
       }
     }
@@ -702,10 +708,8 @@ void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
           scales256<T>(blk + g * F::kHeader, i * F::kSubs + h, half, s, c2);
 #pragma GCC unroll 4
           for (int m = 0; m < MR; ++m) {
-            const __m256 sx = _mm256_mul_ps(s, _mm256_set1_ps(xs[m * ldxs + sub]));
-            acc[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][half]), sx, acc[m][half]);
-            if constexpr (T != QType::Q8_0)
-              acc[m][half] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][half]);
+            acc[m][half] = add_unit256<T>(acc[m][half], part[m][half], s, c2, xs[m * ldxs + sub],
+                                          xsum[m * ldxs + sub]);
           }
         }
       }
