@@ -1,44 +1,87 @@
 // Vector helpers shared by the kernels.
 #pragma once
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+
+namespace pagedllm::lanes {
+
+// The few operations the functions below take, overloaded for a register of 16 (AVX-512)
+// and of 8 (AVX2 + FMA) fp32 lanes: each function is written once for both widths, and each
+// width computes exactly what it did when it had its own copy. (Overloads, not a traits
+// class: a vector type as a class template's argument loses its attributes.)
+#if defined(__AVX512F__)
+inline __m512 splat(__m512, float c) { return _mm512_set1_ps(c); }
+inline __m512 min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
+inline __m512 max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 div(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
+inline __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+inline __m512 round(__m512 x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline __m512 scale2(__m512 p, __m512 k) { return _mm512_scalef_ps(p, k); }  // p 2^k
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline __m256 splat(__m256, float c) { return _mm256_set1_ps(c); }
+inline __m256 min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
+inline __m256 max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+inline __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline __m256 div(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
+inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+inline __m256 round(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p 2^k by 2^k's exponent bits (k in [-126, 127] here): exactly what scalef gives
+inline __m256 scale2(__m256 p, __m256 k) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// e^x for x <= 88 (softmax arguments, SiLU): x = k ln2 + y with |y| <= ln2/2 (ln2 split in two
+// for exactness), e^y by its Taylor series to degree 7 (relative error < 1e-7), times 2^k.
+template <typename V>
+inline V exp(V x) {
+  x = min(max(x, splat(x, -87.f)), splat(x, 88.f));
+  const V k = round(mul(x, splat(x, 1.4426950408889634f)));
+  V y = fnmadd(k, splat(x, 0.693145751953125f), x);
+  y = fnmadd(k, splat(x, 1.428606765330187e-06f), y);
+  V p = splat(x, 1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fmadd(p, y, splat(x, c));
+  return scale2(p, k);
+}
+
+// tanh(x), as Eigen's fast tanh: x P(x^2) / Q(x^2) on x clamped to +-7.9 (where tanh
+// is 1 in fp32); relative error < 4e-7 (measured against fp64 over [-12, 12]).
+template <typename V>
+inline V tanh(V x) {
+  const float kClamp = 7.90531110763549805f;
+  x = min(max(x, splat(x, -kClamp)), splat(x, kClamp));
+  const V x2 = mul(x, x);
+  V p = splat(x, -2.76076847742355e-16f);
+  for (float c : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
+                  1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
+    p = fmadd(p, x2, splat(x, c));
+  V q = splat(x, 1.19825839466702e-06f);
+  for (float c : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f})
+    q = fmadd(q, x2, splat(x, c));
+  return div(mul(p, x), q);
+}
+
+}  // namespace pagedllm::lanes
+#endif
+
 #if defined(__AVX512F__)
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <immintrin.h>
 
 #include <type_traits>
 
 namespace pagedllm {
 
-// e^x for x <= 88 (softmax arguments, SiLU): x = k ln2 + y with |y| <= ln2/2 (ln2 split in two
-// for exactness), e^y by its Taylor series to degree 7 (relative error < 1e-7), times 2^k.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-  y = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), y);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, k);
-}
-
-// tanh(x), as Eigen's fast tanh: x P(x^2) / Q(x^2) on x clamped to +-7.9 (where tanh
-// is 1 in fp32); relative error < 4e-7 (measured against fp64 over [-12, 12]).
-inline __m512 tanh16(__m512 x) {
-  const float kClamp = 7.90531110763549805f;
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-kClamp)), _mm512_set1_ps(kClamp));
-  const __m512 x2 = _mm512_mul_ps(x, x);
-  __m512 p = _mm512_set1_ps(-2.76076847742355e-16f);
-  for (float c : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
-                  1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(c));
-  __m512 q = _mm512_set1_ps(1.19825839466702e-06f);
-  for (float c : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f})
-    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(c));
-  return _mm512_div_ps(_mm512_mul_ps(p, x), q);
-}
+inline __m512 exp16(__m512 x) { return lanes::exp(x); }
+inline __m512 tanh16(__m512 x) { return lanes::tanh(x); }
 
 // Soft-capped scores: cap * tanh(x / cap), lane-wise.
 inline __m512 softcap16(__m512 x, float cap) {
@@ -149,8 +192,8 @@ template <typename T>
 inline void store(T* p, V v) { store16(p, v); }
 template <typename T>
 inline V round(V v) { return round16<T>(v); }
-inline V exp(V x) { return exp16(x); }
-inline V tanh(V x) { return tanh16(x); }
+inline V exp(V x) { return lanes::exp(x); }
+inline V tanh(V x) { return lanes::tanh(x); }
 
 #else  // 8 lanes: AVX2 + FMA + F16C
 using V = __m256;
@@ -213,35 +256,8 @@ inline V round(V v) {
     return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 }
-// exp16's algorithm; 2^k by the exponent bits (k in [-126, 127] for x in [-87, 88]), which
-// scales exactly as _mm512_scalef_ps does
-inline V exp(V x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const V k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V y = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
-  y = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), y);
-  V p = _mm256_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm256_fmadd_ps(p, y, _mm256_set1_ps(c));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-// tanh16's
-inline V tanh(V x) {
-  const float kClamp = 7.90531110763549805f;
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kClamp)), _mm256_set1_ps(kClamp));
-  const V x2 = _mm256_mul_ps(x, x);
-  V p = _mm256_set1_ps(-2.76076847742355e-16f);
-  for (float c : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
-                  1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(c));
-  V q = _mm256_set1_ps(1.19825839466702e-06f);
-  for (float c : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f})
-    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(c));
-  return _mm256_div_ps(_mm256_mul_ps(p, x), q);
-}
+inline V exp(V x) { return lanes::exp(x); }
+inline V tanh(V x) { return lanes::tanh(x); }
 #endif
 
 }  // namespace pagedllm::vec
