@@ -33,28 +33,28 @@
 // The packed size is 1.00-1.03x the GGUF bytes (Q4_K 148/144, Q5_K 180/176). With the
 // headers of a block first and every unit 64-byte sized, each quant load is a whole line.
 //
-// Work: up to 3 rows, each thread takes whole panels and runs one row at a time over all 4
-// groups; beyond, half panels (2 groups) in 256-row chunks, in register tiles of 4 rows by
-// the 2 groups (the last tile of a chunk may have fewer rows) that share each unpacked
-// weight vector. Each (row, group) sums a scale unit's even and odd pairs in two chains,
-// scales their sum by s and adds c sum(x) in fp32; where c = kFold s (Q4_0, Q6_K) the even
-// chain starts at kFold sum(x) instead, one multiply-add less. The multiply-adds share the
-// dot product's pipe, so per scale unit they are the kernel's cost over the bf16 kernel's:
-// 1/16 (Q8_0, Q4_0), 2/16 (Q4_1, Q4_K, Q5_K), 1/8 (Q6_K's 16-input units).
-// A one-row tile unpacks one weight vector (16 outputs' pair 4u + s) at a time (no spills),
-// and over a whole panel prefetches the block 4 KiB on (whole blocks) in even slices of 4-9
-// lines, one per run of 8 pairs. Per 64-byte line of quants it runs 4 dot products and 4
-// unpackings of 2 ops (shift, ternary logic; Q5_K, Q6_K: of 4 ops, over units of 5 or 6
-// lines), Q8_0 2 dot products and 2 widenings of 5 ops; per scale unit and group ~10 more
-// for s and c. A many-row tile reads its rows' input pairs interleaved (one pointer,
-// constant offsets). From a type's kKeepRows rows on, a chunk's first tile also stores
-// what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the
-// chunk's other tiles read it back; below, each tile unpacks again (storing cost more
-// than unpacking Q4_0, Q4_1 and Q4_K's 2 ops up to ~128 rows). The AVX2 path keeps the layout but computes in
-// integers (see its section): a 32-byte half of a word vector is 8 outputs' pairs of q,
-// multiplied by a row's pair of 16-bit x with VPMADDWD, in tiles of 1 row by a whole
-// panel (up to 3 rows) or 1-4 rows by 1 group; a panel's one-row tiles and a chunk's first
-// many-row tile prefetch as the AVX-512 one-row tiles.
+// Work: up to 3 rows (2 for Q8_0 on AVX-512), each thread takes whole panels and runs one
+// row at a time over all 4 groups; beyond, half panels (2 groups) in 256-row chunks, in
+// register tiles of 4 rows by the 2 groups (the last tile of a chunk may have fewer rows)
+// that share each unpacked weight vector. Each (row, group) sums a scale unit's even and
+// odd pairs in two chains, scales their sum by s and adds c sum(x) in fp32; where c = kFold
+// s (Q4_0, Q6_K) the even chain starts at kFold sum(x) instead, one multiply-add less. The
+// multiply-adds share the dot product's pipe, so per scale unit they are the kernel's cost
+// over the bf16 kernel's: 1/16 (Q8_0, Q4_0), 2/16 (Q4_1, Q4_K, Q5_K), 1/8 (Q6_K's 16-input
+// units). A one-row tile unpacks one weight vector (16 outputs' pair 4u + s) at a time (no
+// spills), and over a whole panel prefetches the block 4 KiB on (whole blocks) in even
+// slices of 4-9 lines, one per run of 8 pairs. Per 64-byte line of quants it runs 4 dot
+// products and 4 unpackings of 2 ops (shift, ternary logic; Q5_K, Q6_K: of 4 ops, over
+// units of 5 or 6 lines), Q8_0 2 dot products and 2 widenings of 5 ops; per scale unit and
+// group ~10 more for s and c. A many-row tile reads its rows' input pairs interleaved (one
+// pointer, constant offsets). From a type's kKeepRows rows on, a chunk's first tile also
+// stores what it unpacks (q', s, c: 72-80 bytes an input) in a per-thread scratch and the
+// chunk's other tiles read it back; below, each tile unpacks again (storing cost more than
+// unpacking Q4_0, Q4_1, Q4_K's 2 ops and Q5_K's 4 at any number of rows). The AVX2 path
+// keeps the layout but computes in integers (see its section): a 32-byte half of a word
+// vector is 8 outputs' pairs of q, multiplied by a row's pair of 16-bit x with VPMADDWD, in
+// tiles of 1 row by a whole panel (up to 3 rows) or 1-4 rows by 1 group; a panel's one-row
+// tiles and a chunk's first many-row tile prefetch as the AVX-512 one-row tiles.
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -96,7 +96,14 @@ constexpr int64_t kUnitInputs = 32;  // inputs per unit: 4 runs of 4 pairs
 // where not 0, that c is kFold s (the AVX-512 path then starts each unit's sum of the even
 // pairs at kFold sum(x): s (x . q' + kFold sum(x)), one multiply-add less); kKeepRows, from
 // how many rows a chunk's many-row tiles unpack the weight once and keep it (AVX-512; fewer:
-// each tile unpacks it again, which is cheaper than storing it where unpacking is 2 ops).
+// each tile unpacks it again, which is cheaper than storing it where unpacking is 2 ops);
+// kFewRows512, up to how many rows the AVX-512 path takes one-row tiles (AVX2: kFewRows).
+// Both measured on Zen 5 (docs/benchmarks.md): Q8_0 keeps from 17 rows (from 5 it ran at
+// 0.6x between 5 and 8 rows; never: 0.75-0.8x from 64), Q6_K from 128 (from 16: 0.7-0.9x
+// at 16 to 64 rows), Q4_0, Q4_1, Q4_K and Q5_K never (keeping ran at 0.8-0.95x wherever
+// it was on); Q8_0's one-row tiles stop at 2 rows (a 4-row tile of 3 rows ran 1.2-1.6x
+// faster).
+constexpr int64_t kNeverKeep = std::numeric_limits<int64_t>::max();
 template <QType T>
 struct Format;
 template <>
@@ -105,7 +112,8 @@ struct Format<QType::Q4_0> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = -136.f;
-  static constexpr int64_t kKeepRows = 128;
+  static constexpr int64_t kKeepRows = kNeverKeep;
+  static constexpr int64_t kFewRows512 = 3;
 };
 template <>
 struct Format<QType::Q4_1> {
@@ -113,7 +121,8 @@ struct Format<QType::Q4_1> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = 0.f;
-  static constexpr int64_t kKeepRows = 128;
+  static constexpr int64_t kKeepRows = kNeverKeep;
+  static constexpr int64_t kFewRows512 = 3;
 };
 template <>
 struct Format<QType::Q8_0> {
@@ -121,7 +130,8 @@ struct Format<QType::Q8_0> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = false;
   static constexpr float kFold = 0.f;
-  static constexpr int64_t kKeepRows = 5;
+  static constexpr int64_t kKeepRows = 17;
+  static constexpr int64_t kFewRows512 = 2;
 };
 template <>
 struct Format<QType::Q4_K> {
@@ -129,7 +139,8 @@ struct Format<QType::Q4_K> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = 0.f;
-  static constexpr int64_t kKeepRows = 128;
+  static constexpr int64_t kKeepRows = kNeverKeep;
+  static constexpr int64_t kFewRows512 = 3;
 };
 template <>
 struct Format<QType::Q5_K> {
@@ -137,7 +148,8 @@ struct Format<QType::Q5_K> {
   static constexpr int kSubs = 1;
   static constexpr bool kOffset = true;
   static constexpr float kFold = 0.f;
-  static constexpr int64_t kKeepRows = 32;
+  static constexpr int64_t kKeepRows = kNeverKeep;
+  static constexpr int64_t kFewRows512 = 3;
 };
 template <>
 struct Format<QType::Q6_K> {
@@ -145,7 +157,8 @@ struct Format<QType::Q6_K> {
   static constexpr int kSubs = 2;
   static constexpr bool kOffset = true;
   static constexpr float kFold = -160.f;
-  static constexpr int64_t kKeepRows = 16;
+  static constexpr int64_t kKeepRows = 128;
+  static constexpr int64_t kFewRows512 = 3;
 };
 
 template <QType T>
@@ -195,7 +208,7 @@ int64_t prefetch_distance(int64_t G) {
 }
 
 constexpr int64_t kChunkRows = 256;  // rows per work item
-constexpr int64_t kFewRows = 3;      // up to this many, tiles of one row by a whole panel
+constexpr int64_t kFewRows = 3;      // up to this many, tiles of one row by a whole panel (AVX2)
 constexpr int kTileRows = 4;         // rows of a many-row tile (AVX-512)
 
 // y[:, :cols] = v (a tile's fp32 sums, 16 per group) as Out.
@@ -744,7 +757,7 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   const Shape sh = shape_of<T>(n, K);
   const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const bool few = M <= kFewRows;
+  const bool few = M <= (isa == Isa::kAvx512 ? F::kFewRows512 : kFewRows);
   std::vector<float> sums(M * per_row), xscales;
 #if defined(GGUF_AVX2)
   std::vector<int16_t> xq;
