@@ -1,16 +1,22 @@
-"""A/B of gguf_linear.cpp variants: python exp.py a.cpp b.cpp ... -- TYPES
-env ROWS (comma list), SHAPES (NxK,...), REPS. Builds each as a small extension, checks
-bit equality with the first variant and batch invariance, then times interleaved."""
+"""A/B of gguf_linear.cpp variants, in one process:
+
+    .venv/bin/python docs/benchmarks/zen5-2026-11-27/kernel_ab.py a.cpp b.cpp ... -- Q4_K Q8_0
+
+env ROWS (comma list), SHAPES (NxK,...), REPS. Builds each variant as a small extension
+(under /tmp/ab), checks that its outputs equal the first variant's bit for bit and that
+each row alone equals the same row in the batch, then times the variants in turn (best
+of REPS; GFLOP/s, one column per variant)."""
 import os, sys, shutil, time, hashlib
 from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
-sys.path.insert(0, "/work/main")
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
 from pagedllm.kernels import ops
 from pagedllm.bench import kernels as kb
 from gguf import GGMLQuantizationType
 
-CSRC = Path("/work/main/pagedllm/kernels/csrc")
+CSRC = REPO / "pagedllm/kernels/csrc"
 MODULE = r'''
 #include "ops.h"
 #include <torch/extension.h>
@@ -27,7 +33,7 @@ for v in variants:
     src = Path(v).read_text()
     h = hashlib.md5(src.encode()).hexdigest()[:8]
     d = Path(f"/tmp/ab/build_{Path(v).stem}_{h}")
-    d.mkdir(exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True)
     for f in ("ops.h", "simd.h", "amx.h"):
         shutil.copy(CSRC / f, d / f)
     (d / "gguf_linear.cpp").write_text(src)
