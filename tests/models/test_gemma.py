@@ -162,7 +162,8 @@ def test_gemma_decoders_take_the_decode_stack(models):
     built, _, _ = models("gemma3")
     model = Gemma3ForCausalLM(load_model_source(built.path("hf")).config)
     assert CpuDecodeStack.for_model(model, torch.bfloat16) is not None
-    assert _StackArgs.gather(model.model) is None  # not bound to cpu_paged and a KV cache yet
+    # not bound to cpu_paged and a KV cache yet
+    assert _StackArgs.gather(model.model, torch.bfloat16) is None
 
 
 def test_model_size_estimate_counts_both_rope_tables(models):
