@@ -208,7 +208,7 @@ int64_t prefetch_distance(int64_t G) {
 }
 
 constexpr int64_t kChunkRows = 256;  // rows per work item
-constexpr int64_t kFewRows = 3;      // up to this many, tiles of one row by a whole panel (AVX2)
+constexpr int64_t kFewRows = 3;      // AVX2: up to this many, one-row tiles of a whole panel
 constexpr int kTileRows = 4;         // rows of a many-row tile (AVX-512)
 
 // y[:, :cols] = v (a tile's fp32 sums, 16 per group) as Out.

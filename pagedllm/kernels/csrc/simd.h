@@ -31,10 +31,13 @@ inline __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
 inline __m256 div(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
 inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
-inline __m256 round(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline __m256 round(__m256 x) {
+  return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 // p 2^k by 2^k's exponent bits (k in [-126, 127] here): exactly what scalef gives
 inline __m256 scale2(__m256 p, __m256 k) {
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
@@ -48,7 +51,8 @@ inline V exp(V x) {
   V y = fnmadd(k, splat(x, 0.693145751953125f), x);
   y = fnmadd(k, splat(x, 1.428606765330187e-06f), y);
   V p = splat(x, 1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fmadd(p, y, splat(x, c));
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = fmadd(p, y, splat(x, c));
   return scale2(p, k);
 }
 
