@@ -42,6 +42,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes (as vLLM's): the next prompts are computed in full.
+        False where it cannot (requests still running)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

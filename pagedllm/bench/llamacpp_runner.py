@@ -192,7 +192,9 @@ class LlamaCppRunner:
         for _ in range(iters):
             start = time.perf_counter()
             times, n = [], 0
-            for now, event in stream_events(f"{self.url}/completion", self._body(r, stream=True)):
+            # every iteration computes the whole prompt (as pagedllm's, its cache reset)
+            body = {**self._body(r, stream=True), "cache_prompt": False}
+            for now, event in stream_events(f"{self.url}/completion", body):
                 times.append(now)
                 if event.get("stop"):
                     n = int(event.get("tokens_predicted", 0))

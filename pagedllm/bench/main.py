@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -33,7 +34,8 @@ from pagedllm.bench.llamacpp_runner import default_llama_bench, default_llama_se
 from pagedllm.bench.report import (format_bounds, format_comparisons, format_machine,
                                    format_serving, format_spec_table, format_table,
                                    speedups_over_eager, write_chart, write_json)
-from pagedllm.bench.results import SCHEMA, BenchResult, Runner, latency_result, throughput_result
+from pagedllm.bench.results import (SCHEMA, BenchResult, LatencyRun, Runner, latency_result, pooled,
+                                    throughput_result)
 from pagedllm.bench.roofline import (ModelCost, decode_step_roofline_seconds, model_cost,
                                      prefill_roofline_seconds, workload_roofline)
 from pagedllm.bench.serve import run_serve
@@ -122,6 +124,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="json: every pagedllm request under a JSON schema that no output of "
                         "the workload's length completes (the mask's cost per token)")
     g.add_argument("--latency-iters", type=int, default=3, help="timed runs of the latency request (median kept)")
+    g.add_argument("--latency-rounds", type=int, default=1,
+                   help="with --compare llamabench: the latency request in this many rounds, "
+                        "pagedllm and llama-bench in turn (--latency-iters runs each a round; "
+                        "all runs pooled, median kept; each round's ratio in the JSON): a "
+                        "machine whose memory bandwidth drifts over minutes drifts for both")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed warm-up requests of each engine")
     r = p.add_argument_group("run")
@@ -191,7 +198,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "latency_iters", "threads", "llama_parallel", "prefix_len",
+    for name in ("num_prompts", "latency_iters", "latency_rounds", "threads", "llama_parallel", "prefix_len",
                  "max_concurrency", "spec_k", "spec_rounds", "hf_num_prompts"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -220,6 +227,9 @@ def validate_args(args: argparse.Namespace) -> None:
                          f"scripts/build_llamacpp.sh builds both)")
     if "llamabench" in args.compare and not default_llama_bench(args.llama_server):
         raise ValueError(f"--compare llamabench: no llama-bench beside {args.llama_server!r}")
+    if args.latency_rounds > 1 and "llamabench" not in args.compare:
+        raise ValueError("--latency-rounds alternates pagedllm and llama-bench: it needs "
+                         "--compare llamabench")
     if args.llama_server and not os.access(args.llama_server, os.X_OK):
         raise ValueError(f"--llama-server {args.llama_server!r} is not an executable file")
 
@@ -350,7 +360,8 @@ class Bench:
                                    workloads=[self._hf_subset(w) for w in self.workloads])
                 if "llamacpp" in self.args.compare:
                     self._run_llamacpp(dtype)
-                if "llamabench" in self.args.compare and self._has("latency"):
+                if ("llamabench" in self.args.compare and self._has("latency")
+                        and self.args.latency_rounds == 1):  # (else run in turn with pagedllm's)
                     self._run_llama_bench(dtype)
 
     def _step(self, text: str) -> None:
@@ -418,12 +429,43 @@ class Bench:
 
     def _run_llama_bench(self, dtype: str) -> None:
         """llama.cpp's llama-bench on the latency request (it serves no other workload)."""
+        self._run_peer(dtype, lambda: self._llama_bench_runner(dtype),
+                       workloads=self._only("latency"))
+
+    def _llama_bench_runner(self, dtype: str) -> Runner:
         from pagedllm.bench.llamacpp_runner import LlamaBenchRunner, gguf_for_dtype
         gguf = self.args.llama_gguf or gguf_for_dtype(self.model_path, dtype)
-        self._run_peer(dtype, lambda: LlamaBenchRunner(
+        return LlamaBenchRunner(
             default_llama_bench(self.args.llama_server), gguf, dtype, self.args.threads,
-            user_gguf=self.args.llama_gguf is not None, kv_dtype=self._kv_dtype(dtype)),
-            workloads=self._only("latency"))
+            user_gguf=self.args.llama_gguf is not None, kv_dtype=self._kv_dtype(dtype))
+
+    def _latency_in_rounds(self, dtype: str, w: wl.Workload, runner: Runner
+                           ) -> list[tuple[BenchResult, Runner]]:
+        """--latency-rounds: the latency request on pagedllm (runner, loaded) and llama-bench
+        in turn, round after round; each engine's runs pooled (median kept), each round's
+        decode ratio kept in pagedllm's settings and in the notes."""
+        peer = self._llama_bench_runner(dtype)
+        rounds = self.args.latency_rounds
+        ours: list[LatencyRun] = []
+        theirs: list[LatencyRun] = []
+        for i in range(rounds):
+            self._step(f"{runner.engine} {dtype} latency, round {i + 1} of {rounds}")
+            ours.append(runner.latency(w, self.args.latency_iters))
+            self._step(f"{peer.engine} {dtype} latency, round {i + 1} of {rounds}")
+            theirs.append(peer.latency(w, self.args.latency_iters))
+        ratios = [round(statistics.median(a.decode_tok_s) / statistics.median(b.decode_tok_s), 3)
+                  for a, b in zip(ours, theirs)]
+        mine, peers = (latency_result(w, pooled(runs), r)
+                       for runs, r in ((ours, runner), (theirs, peer)))
+        for result in (mine, peers):
+            result.settings["rounds"] = rounds
+        mine.settings["decode_vs_llama_bench_by_round"] = ratios
+        self.notes.append(f"{dtype} latency in {rounds} alternating rounds: pagedllm / "
+                          f"llama-bench decode tok/s by round {ratios} (median "
+                          f"{statistics.median(ratios):.3f}); pooled medians "
+                          f"{mine.decode_tok_s:.1f} / {peers.decode_tok_s:.1f}")
+        peer.close()
+        return [(mine, runner), (peers, peer)]
 
     def _kv_dtype(self, dtype: str) -> str:
         """The KV cache dtype pagedllm ran with at dtype (its engine's resolved setting), for
@@ -468,17 +510,22 @@ class Bench:
                     id_range=wl.token_id_range(self.model_config.vocab_size), device=self.device))
             for w in workloads or self.workloads:
                 self._step(f"{runner.engine} {dtype} {w.name} {wl.subset_label(w)}".rstrip())
-                if w.name == "latency":
-                    result = latency_result(w, runner.latency(w, self.args.latency_iters), runner)
+                if (w.name == "latency" and self.args.latency_rounds > 1
+                        and runner.engine == "pagedllm"):
+                    results = self._latency_in_rounds(dtype, w, runner)
+                elif w.name == "latency":
+                    results = [(latency_result(w, runner.latency(w, self.args.latency_iters),
+                                               runner), runner)]
                 else:
-                    result = throughput_result(w, runner.throughput(w), runner)
-                add_labels(result, w, prefix_label)
-                assert self.machine is not None
-                add_roofline(result, w, self.cost, self.machine)
-                self.results.append(result)
-                if self.on_result is not None:
-                    self.on_result()
-                self.bar.update(1)
+                    results = [(throughput_result(w, runner.throughput(w), runner), runner)]
+                for result, _ in results:
+                    add_labels(result, w, prefix_label)
+                    assert self.machine is not None
+                    add_roofline(result, w, self.cost, self.machine)
+                    self.results.append(result)
+                    if self.on_result is not None:
+                        self.on_result()
+                    self.bar.update(1)
         finally:
             runner.close()
 

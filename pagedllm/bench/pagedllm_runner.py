@@ -129,6 +129,7 @@ class PagedLLMRunner:
         r = workload.requests[0]
         ttfts, rates, lens = [], [], []
         for _ in range(iters):
+            self.llm.reset_prefix_cache()  # each time to first token computes the whole prompt
             ttft, rate, n = self._one_stream(r)
             ttfts.append(ttft)
             rates.append(rate)

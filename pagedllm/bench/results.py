@@ -141,6 +141,12 @@ def latency_result(workload: Workload, run: LatencyRun, runner: Runner) -> Bench
         device=_device(runner))
 
 
+def pooled(runs: list[LatencyRun]) -> LatencyRun:
+    """Several LatencyRuns of one engine as one (their iterations in order)."""
+    return LatencyRun([t for r in runs for t in r.ttft_s], [d for r in runs for d in r.decode_tok_s],
+                      [n for r in runs for n in r.output_lens], dict(runs[0].settings))
+
+
 def _device(runner: Runner) -> str:
     """The runner's device; peers that run only on the CPU (llama.cpp) name none."""
     return getattr(runner, "device", "cpu")

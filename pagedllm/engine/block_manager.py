@@ -314,6 +314,16 @@ class BlockManager:
                     del self.hash_to_block_id[block.hash]
                 block.hash, block.token_ids = -1, []
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache), so the next prompts are
+        computed in full; refused (False) while any block is in use."""
+        if self.used_block_ids:
+            return False
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, []
+        self.hash_to_block_id.clear()
+        return True
+
     # ---- memory report ----------------------------------------------------------------------
 
     def kv_usage(self, seqs: list[Sequence]) -> tuple[int, int]:

@@ -296,6 +296,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes; False (nothing forgotten) while requests run."""
+        return not self.has_unfinished_requests() and self.scheduler.block_manager.reset_prefix_cache()
+
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+import statistics
 
 import pytest
 
@@ -75,3 +76,57 @@ def test_the_cache_type_follows_pagedllms_kv_cache(fake_bench):
     assert {dict(zip(c[::2], c[1::2]))["-ctk"] for c in calls} == {"f16"}
     with pytest.raises(ValueError, match="KV cache 'int8'"):
         LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1, kv_dtype="int8")
+
+
+def test_latency_rounds_alternate_with_llama_bench_and_pool_the_runs(fake_bench, tmp_path):
+    """--latency-rounds 3: pagedllm (loaded once) and llama-bench in turn, three rounds; each
+    engine's runs pooled, each round's decode ratio kept; each pagedllm run computes the
+    whole prompt (the prefix cache is reset before it)."""
+    import os
+    import subprocess
+    import sys
+
+    from pagedllm.loader import default_model_path
+
+    binary, log = fake_bench
+    server = binary.parent / "llama-server"
+    server.chmod(server.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "lat.json"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "latency",
+           "--compare", "llamabench", "--llama-server", str(server),
+           "--llama-gguf", default_model_path(), "--threads", "1", "--input-len", "40",
+           "--output-len", "4", "--latency-iters", "2", "--latency-rounds", "3",
+           "--quick-machine", "--kv-cache-memory-bytes", str(64 * 2**20),
+           "--output-json", str(out)]
+    env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    ours, theirs = (next(x for x in doc["results"] if x["engine"].startswith(e))
+                    for e in ("pagedllm", "llama-bench"))
+    assert ours["settings"]["rounds"] == theirs["settings"]["rounds"] == 3
+    assert ours["settings"]["iterations"] == theirs["settings"]["iterations"] == 6
+    assert theirs["settings"]["decode_tok_s_all"] == [50.0, 40.0] * 3  # the fake's samples
+    by_round = ours["settings"]["decode_vs_llama_bench_by_round"]
+    pooled = ours["settings"]["decode_tok_s_all"]
+    assert by_round == [round(statistics.median(pooled[2 * i:2 * i + 2]) / 45.0, 3)
+                        for i in range(3)]
+    assert len(log.read_text().splitlines()) == 6  # prompt and decode tests, each round
+    assert any("3 alternating rounds" in n for n in doc["notes"])
+
+
+def test_pagedllms_latency_runs_never_find_the_prompt_cached():
+    """Each latency iteration's TTFT is the whole prompt's: the runner forgets the prefix
+    cache first (as llama-bench computes every prompt)."""
+    from pagedllm.bench.pagedllm_runner import PagedLLMRunner
+
+    runner = PagedLLMRunner(None, "float32", 1, {"kv_cache_memory_bytes": 64 * 2**20})
+    try:
+        w = Workload("latency", "", [BenchRequest(list(range(100, 164)), 3)])
+        run = runner.latency(w, iters=3)
+        assert run.output_lens == [3, 3, 3]
+        bm = runner.llm.engine.scheduler.block_manager
+        assert bm.num_query_tokens >= 3 * 48 and bm.num_hit_tokens == 0
+        assert bm.num_cached_free_blocks >= 4  # the last run's blocks, kept for a user's next
+    finally:
+        runner.close()

@@ -69,6 +69,24 @@ def test_full_prompt_hit_still_computes_last_token():
     bm.check_invariants([b])
 
 
+def test_reset_prefix_cache_forgets_freed_blocks_and_waits_for_used_ones():
+    bm = BlockManager(8, BS)
+    a = make_seq(list(range(9)))
+    allocate(bm, a)
+    assert not bm.reset_prefix_cache()  # a's blocks are in use: nothing forgotten
+    assert len(bm.hash_to_block_id) == 2
+    bm.deallocate(a)
+    assert bm.num_cached_free_blocks == 2
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_free_blocks == 0 and bm.hash_to_block_id == {}
+    b = make_seq(list(range(9)))
+    allocate(bm, b)
+    assert b.num_cached_tokens == 0
+    bm.check_invariants([b])
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 8 and bm.num_cached_free_blocks == 2  # b's cached again
+
+
 def test_freed_blocks_stay_cached_and_are_revived():
     bm = BlockManager(8, BS)
     a = make_seq(list(range(9)))

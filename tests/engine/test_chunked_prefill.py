@@ -82,6 +82,12 @@ def test_chunked_prefill_matches_hf_and_prefix_hits_before_a_chunk(budget, long_
     assert all(o.metrics.num_cached_tokens >= 48 for o in again)
     assert [o.token_ids for o in again] == hf_reference
     assert_all_blocks_free(llm)
+    # With the cache forgotten (LLM.reset_prefix_cache) the prompts are computed in full again.
+    assert llm.reset_prefix_cache()
+    fresh = llm.generate(long_prompts, greedy(), use_tqdm=False)
+    assert [o.metrics.num_cached_tokens for o in fresh] == [0] * len(long_prompts)
+    assert [o.token_ids for o in fresh] == hf_reference
+    assert_all_blocks_free(llm)
 
 
 def test_chunk_key_length_counts_cached_and_earlier_chunks(long_prompts):
