@@ -817,9 +817,13 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
                                                     xs + m * per_row, per_row, w, G, g0,
                                                     sh.blocks, scratch.data(), out);
             };
-            if (!keep) tile.template operator()<true, false>();
-            else if (m == 0) tile.template operator()<true, true>();
-            else tile.template operator()<false, false>();
+            if constexpr (F::kKeepRows == kNeverKeep) {  // (no keeping tiles built)
+              tile.template operator()<true, false>();
+            } else {
+              if (!keep) tile.template operator()<true, false>();
+              else if (m == 0) tile.template operator()<true, true>();
+              else tile.template operator()<false, false>();
+            }
             store_rows(m, r);
           }
         }
