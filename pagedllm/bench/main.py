@@ -439,8 +439,7 @@ class Bench:
             default_llama_bench(self.args.llama_server), gguf, dtype, self.args.threads,
             user_gguf=self.args.llama_gguf is not None, kv_dtype=self._kv_dtype(dtype))
 
-    def _latency_in_rounds(self, dtype: str, w: wl.Workload, runner: Runner
-                           ) -> list[tuple[BenchResult, Runner]]:
+    def _latency_in_rounds(self, dtype: str, w: wl.Workload, runner: Runner) -> list[BenchResult]:
         """--latency-rounds: the latency request on pagedllm (runner, loaded) and llama-bench
         in turn, round after round; each engine's runs pooled (median kept), each round's
         decode ratio kept in pagedllm's settings and in the notes."""
@@ -465,7 +464,7 @@ class Bench:
                           f"{statistics.median(ratios):.3f}); pooled medians "
                           f"{mine.decode_tok_s:.1f} / {peers.decode_tok_s:.1f}")
         peer.close()
-        return [(mine, runner), (peers, peer)]
+        return [mine, peers]
 
     def _kv_dtype(self, dtype: str) -> str:
         """The KV cache dtype pagedllm ran with at dtype (its engine's resolved setting), for
@@ -514,11 +513,11 @@ class Bench:
                         and runner.engine == "pagedllm"):
                     results = self._latency_in_rounds(dtype, w, runner)
                 elif w.name == "latency":
-                    results = [(latency_result(w, runner.latency(w, self.args.latency_iters),
-                                               runner), runner)]
+                    results = [latency_result(w, runner.latency(w, self.args.latency_iters),
+                                              runner)]
                 else:
-                    results = [(throughput_result(w, runner.throughput(w), runner), runner)]
-                for result, _ in results:
+                    results = [throughput_result(w, runner.throughput(w), runner)]
+                for result in results:
                     add_labels(result, w, prefix_label)
                     assert self.machine is not None
                     add_roofline(result, w, self.cost, self.machine)

@@ -3,13 +3,17 @@ answers as llama-bench's `-o json` does (the real one needs scripts/build_llamac
 from __future__ import annotations
 
 import json
+import os
 import stat
 import statistics
+import subprocess
+import sys
 
 import pytest
 
 from pagedllm.bench.llamacpp_runner import LlamaBenchRunner, default_llama_bench
 from pagedllm.bench.workloads import BenchRequest, Workload
+from pagedllm.loader import default_model_path
 
 FAKE = """#!/usr/bin/env python3
 import json, sys
@@ -80,14 +84,7 @@ def test_the_cache_type_follows_pagedllms_kv_cache(fake_bench):
 
 def test_latency_rounds_alternate_with_llama_bench_and_pool_the_runs(fake_bench, tmp_path):
     """--latency-rounds 3: pagedllm (loaded once) and llama-bench in turn, three rounds; each
-    engine's runs pooled, each round's decode ratio kept; each pagedllm run computes the
-    whole prompt (the prefix cache is reset before it)."""
-    import os
-    import subprocess
-    import sys
-
-    from pagedllm.loader import default_model_path
-
+    engine's runs pooled, each round's decode ratio kept."""
     binary, log = fake_bench
     server = binary.parent / "llama-server"
     server.chmod(server.stat().st_mode | stat.S_IEXEC)
