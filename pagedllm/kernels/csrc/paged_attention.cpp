@@ -115,8 +115,13 @@ inline void write_output(const float* acc, float m, float sum, int64_t token, in
 // Blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one, and
 // the few lines it runs ahead within a block do not cover memory's latency: the kernels
 // request each vector they read kPrefetchBlocks blocks ahead, one key at a time (a burst
-// of a whole block's requests stalls on the core's few fill buffers), into L2.
-constexpr int64_t kPrefetchBlocks = 1;
+// of a whole block's requests stalls on the core's few fill buffers), into L2. Two blocks:
+// on the Zen 5, one stream's 30 layers of SmolLM2 at 610 tokens of context with the cache
+// evicted took 0.77-1.00 ms against 1.02-1.09 with one block ahead (its blocks scattered
+// over the pool), 0.60-0.69 against 0.68-0.71 (in order), and a verify step's 5 query
+// tokens 1.51-1.75 against 2.05-2.45 ms (scattered); three ran no better
+// (docs/kernels.md, paged attention).
+constexpr int64_t kPrefetchBlocks = 2;
 
 // Requests the head vector of `bytes` bytes at p into L2.
 inline void prefetch_vector(const void* p, int64_t bytes) {
