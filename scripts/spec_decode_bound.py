@@ -11,9 +11,12 @@ verified draft token adds to a step, measured on the machine; e.g. the share of 
 step's time that decode_layers adds per token of a verify step). Printed per family:
 decode speedup over plain decoding for the engine's adaptive rule
 (spec_decode/control.py), fixed k, and the oracle that proposes exactly the tokens that
-will be accepted (no policy can do better).
+will be accepted (no policy can do better). --costs prices a step of k drafts at the k-th
+of measured ratios instead (step time at k drafts over a plain step's, k = 0..;
+docs/benchmarks/zen5-2026-11-27c/spec_step_costs.py measures them).
 
-Usage: python scripts/spec_decode_bound.py [--beta 0.33] [--k 8] [--families ...]
+Usage: python scripts/spec_decode_bound.py [--beta 0.33] [--costs 1,1.33,...] [--k 8]
+       [--families ...]
 """
 from __future__ import annotations
 
@@ -42,14 +45,16 @@ def matches(prompt: list[int], answer: list[int], k: int) -> list[tuple[int, int
     return out
 
 
-def decode_cost(table: list[tuple[int, int]], policy: Policy, beta: float) -> float:
-    """Plain-step units the answer's decoding costs under the policy."""
+def decode_cost(table: list[tuple[int, int]], policy: Policy,
+                step_cost: Callable[[int], float]) -> float:
+    """Plain-step units the answer's decoding costs under the policy (step_cost(k): a step
+    verifying k drafts)."""
     p, cost, average = 0, 0.0, 1.0
     while p < len(table):
         length, m = table[p]
         k = min(policy(average, m), length, len(table) - p - 1)
         accepted = min(m, k)
-        cost += 1 + beta * k
+        cost += step_cost(k)
         if k:
             average += ACCEPTANCE_SMOOTHING * (accepted / k - average)
         p += accepted + 1
@@ -59,6 +64,8 @@ def decode_cost(table: list[tuple[int, int]], policy: Policy, beta: float) -> fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--beta", type=float, nargs="+", default=[0.33, 0.15])
+    ap.add_argument("--costs", type=lambda v: [float(c) for c in v.split(",")],
+                    help="measured step cost at 0, 1, 2, ... drafts (plain step = 1)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--output-len", type=int, default=256)
@@ -78,12 +85,19 @@ def main() -> None:
         **{f"k={k}": (lambda a, m, k=k: k) for k in (1, 2, 4, 8)},
         "oracle": lambda a, m: m,
     }
-    for beta in args.beta:
-        print(f"beta {beta}: decode speedup over plain decoding")
-        print("family".ljust(18) + "".join(name.rjust(10) for name in policies))
+    pricings: dict[str, Callable[[int], float]] = {
+        f"beta {beta}": (lambda k, beta=beta: 1 + beta * k) for beta in args.beta}
+    if args.costs:
+        costs = args.costs
+        if len(costs) <= args.k:
+            raise SystemExit(f"--costs needs {args.k + 1} values (0..{args.k} drafts)")
+        pricings = {"measured costs": lambda k: costs[k]}
+    for name, step_cost in pricings.items():
+        print(f"{name}: decode speedup over plain decoding")
+        print("family".ljust(18) + "".join(p.rjust(10) for p in policies))
         for family, answers in tables.items():
             tokens = sum(len(t) for t in answers)
-            cells = [tokens / sum(decode_cost(t, policy, beta) for t in answers)
+            cells = [tokens / sum(decode_cost(t, policy, step_cost) for t in answers)
                      for policy in policies.values()]
             print(family.ljust(18) + "".join(f"{c:9.2f}x" for c in cells))
 
