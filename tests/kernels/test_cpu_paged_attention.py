@@ -150,6 +150,35 @@ def test_kernel_matches_dense_with_one_kv_head_per_work_item(dtype, block_size, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 256, 40])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (8, 1), (6, 2)])
+@pytest.mark.parametrize("row", [(300, 1), (255, 5), (37, 9)])
+def test_a_row_split_across_threads_equals_it_in_a_batch(dtype, dim, heads, kv_heads, row):
+    # Fewer kv heads than threads (Gemma 3 1B has one): a single stream's row is split, its
+    # decode by query heads, its several tokens by chunks, so that every thread works. Each
+    # query's result must be the one it gets in a batch (no split), bit for bit, and right.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        b = Batch([row, (90, 1), (120, 3), (64, 1), (200, 1)], heads, kv_heads, dim, 16, dtype,
+                  seed=dim + heads)
+        q_lens = torch.tensor([n for _, n in b.rows])
+        k_lens = torch.tensor([c + n for c, n in b.rows])
+        batch = torch.full_like(torch.cat(b.q), float("nan"))
+        cpu_paged.paged_attention(batch, torch.cat(b.q), b.k_cache, b.v_cache, b.block_tables,
+                                  q_lens.cumsum(0) - q_lens, q_lens, k_lens, dim ** -0.5)
+        alone = torch.full_like(b.q[0], float("nan"))
+        cpu_paged.paged_attention(alone, b.q[0], b.k_cache, b.v_cache, b.block_tables[:1],
+                                  torch.tensor([0]), q_lens[:1], k_lens[:1], dim ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, batch[:row[1]])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone.double(), dense(b.q[0], b.k[0], b.v[0], dim ** -0.5),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_reads_q_in_place_from_a_wider_tensor(dtype):
     # In the engine q is a view into the qkv projection (rows wider than H * D): the kernel
     # must give exactly what it gives for a contiguous copy, into a contiguous out.

@@ -1,8 +1,10 @@
-"""One stream's paged attention over SmolLM2's 30 layers, the caches evicted first: the
-measurement behind paged_attention.cpp's kPrefetchBlocks (docs/kernels.md, paged attention).
+"""One stream's paged attention over a model's layers (SmolLM2's 30 by default), the caches
+evicted first: the measurement behind paged_attention.cpp's kPrefetchBlocks and its split of
+a row over the threads (docs/kernels.md, paged attention).
 
-The KV cache is laid out as the engine lays it out (one tensor [2, layers, blocks, 16, 3,
-64] bf16 on 2 MiB pages); ROWS rows of QLEN query tokens (1: a decode, 5: a verify step of
+SHAPE=heads,kv_heads,head_dim,layers picks the model (SmolLM2: 9,3,64,30; Gemma 3 1B:
+4,1,256,26). The KV cache is laid out as the engine lays it out (one tensor [2, layers,
+blocks, 16, kv_heads, head_dim] bf16 on 2 MiB pages); ROWS rows of QLEN query tokens (1: a decode, 5: a verify step of
 4 drafts) each attend to CTX tokens held in blocks taken in order ("seq") or scattered over
 the pool ("rand"). Before each timed call a 256 MB read evicts the caches, as a decode
 step's weight stream does between two layers' attention. Best of REPS.
@@ -20,7 +22,8 @@ import torch
 from pagedllm import memory
 from pagedllm.kernels import ops
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, POOL = 9, 3, 64, 16, 30, 2912
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = map(int, os.environ.get("SHAPE", "9,3,64,30").split(","))
+BLOCK, POOL = 16, 2912 * 3 * 64 // (KV_HEADS * HEAD_DIM)   # the same bytes whatever the shape
 
 
 def main() -> None:

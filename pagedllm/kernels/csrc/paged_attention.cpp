@@ -55,8 +55,12 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
   for (int64_t i = 0; i < d; ++i) acc[i] += a * to_float(v[i]);
 }
 
+// Query tokens [q_begin, q_end) of a row (row-relative), and of each kv head's group the
+// query heads [g_begin, g_end) (g_end 0: all of them).
 struct WorkItem {
-  int64_t row, q_begin, q_end;  // query tokens [q_begin, q_end) of the row (row-relative)
+  int64_t row, q_begin, q_end;
+  int64_t g_begin = 0, g_end = 0;
+  int64_t members(int64_t group) const { return (g_end > 0 ? g_end : group) - g_begin; }
 };
 
 struct Shapes {
@@ -168,7 +172,7 @@ template <typename T, int64_t D, typename C = T>
 void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T, C>& in,
                  std::vector<float>& buf) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = D > 0 ? D : s.head_dim;
-  const int64_t num_q = w.q_end - w.q_begin, rows = num_q * group;
+  const int64_t gn = w.members(group), num_q = w.q_end - w.q_begin, rows = num_q * gn;
   const int64_t q_len = in.q_lens[w.row], k_len = in.k_lens[w.row];
   const int64_t past = k_len - q_len;          // tokens before the row's first new token
   const int64_t num_keys = past + w.q_end;     // keys seen by the chunk's last query
@@ -181,21 +185,21 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
   float* qf = scores + rows * span;            // [rows, d], scaled queries; reused as acc
   float* row_max = qf + rows * d;              // [rows]
   float* row_sum = row_max + rows;             // [rows]
-  // Query r = (token t, head g) sees keys [0, past + q_begin + t].
+  // Query r = (token t, head g_begin + g) sees keys [0, past + q_begin + t].
   for (int64_t t = 0; t < num_q; ++t) {
-    for (int64_t g = 0; g < group; ++g) {
-      const T* src = in.q + (first_token + t) * s.q_stride_t + (kv_head * group + g) * s.q_stride_h;
-      float* dst = qf + (t * group + g) * d;
+    for (int64_t g = 0; g < gn; ++g) {
+      const T* src = in.q + (first_token + t) * s.q_stride_t + (kv_head * group + w.g_begin + g) * s.q_stride_h;
+      float* dst = qf + (t * gn + g) * d;
       for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]) * in.scale;
     }
   }
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
   for_each_key(in.k_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const C* kj) {
-    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
+    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
     for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d);
   });
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = first_unmasked + r / group + 1 - begin;  // keys [lo, n) of the span
+    const int64_t n = first_unmasked + r / gn + 1 - begin;  // keys [lo, n) of the span
     const int64_t lo = in.window > 0 ? std::max<int64_t>(0, n - in.window) : 0;
     float* sc = scores + r * span;
     std::fill(sc, sc + lo, 0.f);  // outside the window: weight 0
@@ -214,12 +218,12 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
   float* acc = qf;
   std::fill(acc, acc + rows * d, 0.f);
   for_each_key(in.v_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const C* vj) {
-    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * group;
+    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
     for (int64_t r = first_r; r < rows; ++r) axpy<C, D>(scores[r * span + j - begin], vj, acc + r * d, d);
   });
   for (int64_t r = 0; r < rows; ++r)
-    write_output(acc + r * d, row_max[r], row_sum[r], first_token + r / group,
-                 kv_head * group + r % group, d, s, in);
+    write_output(acc + r * d, row_max[r], row_sum[r], first_token + r / gn,
+                 kv_head * group + w.g_begin + r % gn, d, s, in);
 }
 
 template <typename T, int64_t D, typename C = T>
@@ -495,8 +499,8 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
                       const Inputs<T>& in, std::vector<float>& buf) {
   constexpr int64_t d = NV * 16, kRowBlock = 4;
   constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const int64_t group = s.num_heads / s.num_kv_heads;
-  const int64_t per_head = (w.q_end - w.q_begin) * group, rows = (h_end - h_begin) * per_head;
+  const int64_t group = s.num_heads / s.num_kv_heads, gn = w.members(group);
+  const int64_t per_head = (w.q_end - w.q_begin) * gn, rows = (h_end - h_begin) * per_head;
   const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
   const int64_t num_keys = past + w.q_end;        // keys seen by the chunk's last query
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
@@ -504,10 +508,10 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
   const int64_t first_token = in.q_starts[w.row] + w.q_begin;
   const int64_t begin = first_key(w, in);         // the first key any query sees
   const int64_t span = num_keys - begin;          // scores are kept for keys [begin, num_keys)
-  // Row r is kv head h_begin + r / per_head's query (token t, head g of its group), with
-  // r % per_head = t * group + g; it sees keys [0, first_unmasked + t].
-  auto token_of = [&](int64_t r) { return (r % per_head) / group; };
-  auto head_of = [&](int64_t r) { return (h_begin + r / per_head) * group + r % group; };
+  // Row r is kv head h_begin + r / per_head's query (token t, head g_begin + g of its
+  // group), with r % per_head = t * gn + g; it sees keys [0, first_unmasked + t].
+  auto token_of = [&](int64_t r) { return (r % per_head) / gn; };
+  auto head_of = [&](int64_t r) { return (h_begin + r / per_head) * group + w.g_begin + r % gn; };
   auto keys_of = [&](int64_t r) { return first_unmasked + token_of(r) + 1; };
   // scores [rows, num_keys], then qf [rows, d] (scaled fp32 queries, then outputs),
   // row_max and row_sum [rows]; for bf16 the queries split in even and odd elements too
@@ -645,20 +649,34 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   // (rows' contexts differ a lot: a static split leaves one thread idle). With enough of
   // them for every thread an item covers all kv heads, so it reads each block of its row
   // once, whole and in order; with few (a single stream) each kv head is an item of its own.
+  // With fewer kv heads than threads (Gemma 3 1B's one: a single stream's attention ran on
+  // one thread), a chunk's tokens are split in more chunks and, where it has too few (a
+  // decode's one), the query heads of each kv head's group are, the parts of one kv head
+  // next to each other so that the threads read its blocks at the same time. Every query's
+  // sums are the same in whichever item it is.
+  const int64_t threads = at::get_num_threads();
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  int64_t num_chunks = 0;
+  for (int64_t row = 0; row < q_lens.size(0); ++row) num_chunks += (ql[row] + kQueryChunk - 1) / kQueryChunk;
+  const int64_t units = num_chunks * s.num_kv_heads;
+  const int64_t split = 0 < units && units < threads ? (threads + units - 1) / units : 1;
   std::vector<WorkItem> chunks;
-  for (int64_t row = 0; row < q_lens.size(0); ++row)
-    for (int64_t b = 0; b < ql[row]; b += kQueryChunk)
-      chunks.push_back({row, b, std::min(ql[row], b + kQueryChunk)});
+  for (int64_t row = 0; row < q_lens.size(0); ++row) {
+    const int64_t c = std::min(ql[row], (ql[row] + kQueryChunk - 1) / kQueryChunk * split);
+    for (int64_t i = 0; i < c; ++i) chunks.push_back({row, ql[row] * i / c, ql[row] * (i + 1) / c});
+  }
+  const int64_t num_items = static_cast<int64_t>(chunks.size());
+  const int64_t parts = num_items > 0 ? std::min(group, (split * num_chunks + num_items - 1) / num_items) : 1;
   auto cost = [&](const WorkItem& w) {
     const int64_t keys = kl[w.row] - ql[w.row] + w.q_end;
     return (w.q_end - w.q_begin) * (window > 0 ? std::min(keys, window + w.q_end - w.q_begin) : keys);
   };
   std::stable_sort(chunks.begin(), chunks.end(),
                    [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
-  const int64_t threads = at::get_num_threads();
   const bool whole_rows = static_cast<int64_t>(chunks.size()) >= 4 * threads;
   const int64_t heads_per_item = whole_rows ? s.num_kv_heads : 1;
-  const int64_t items_per_chunk = s.num_kv_heads / heads_per_item;
+  const int64_t parts_per_head = whole_rows ? 1 : parts;
+  const int64_t items_per_chunk = s.num_kv_heads / heads_per_item * parts_per_head;
   const int64_t n = static_cast<int64_t>(chunks.size()) * items_per_chunk;
   Inputs<T, C> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                 block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale,
@@ -678,8 +696,14 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const int64_t h0 = (i % items_per_chunk) * heads_per_item;
-      item_fn(chunks[i / items_per_chunk], h0, h0 + heads_per_item, s, in, buf);
+      const int64_t j = i % items_per_chunk, h0 = j / parts_per_head * heads_per_item;
+      WorkItem w = chunks[i / items_per_chunk];
+      if (parts_per_head > 1) {
+        const int64_t part = j % parts_per_head;
+        w.g_begin = group * part / parts_per_head;
+        w.g_end = group * (part + 1) / parts_per_head;
+      }
+      item_fn(w, h0, h0 + heads_per_item, s, in, buf);
     }
   });
 }
