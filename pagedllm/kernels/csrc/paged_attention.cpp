@@ -56,11 +56,9 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
 }
 
 // Query tokens [q_begin, q_end) of a row (row-relative), and of each kv head's group the
-// query heads [g_begin, g_end) (g_end 0: all of them).
+// query heads [g_begin, g_end).
 struct WorkItem {
-  int64_t row, q_begin, q_end;
-  int64_t g_begin = 0, g_end = 0;
-  int64_t members(int64_t group) const { return (g_end > 0 ? g_end : group) - g_begin; }
+  int64_t row, q_begin, q_end, g_begin, g_end;
 };
 
 struct Shapes {
@@ -172,7 +170,7 @@ template <typename T, int64_t D, typename C = T>
 void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T, C>& in,
                  std::vector<float>& buf) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = D > 0 ? D : s.head_dim;
-  const int64_t gn = w.members(group), num_q = w.q_end - w.q_begin, rows = num_q * gn;
+  const int64_t gn = w.g_end - w.g_begin, num_q = w.q_end - w.q_begin, rows = num_q * gn;
   const int64_t q_len = in.q_lens[w.row], k_len = in.k_lens[w.row];
   const int64_t past = k_len - q_len;          // tokens before the row's first new token
   const int64_t num_keys = past + w.q_end;     // keys seen by the chunk's last query
@@ -499,7 +497,7 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
                       const Inputs<T>& in, std::vector<float>& buf) {
   constexpr int64_t d = NV * 16, kRowBlock = 4;
   constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const int64_t group = s.num_heads / s.num_kv_heads, gn = w.members(group);
+  const int64_t group = s.num_heads / s.num_kv_heads, gn = w.g_end - w.g_begin;
   const int64_t per_head = (w.q_end - w.q_begin) * gn, rows = (h_end - h_begin) * per_head;
   const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
   const int64_t num_keys = past + w.q_end;        // keys seen by the chunk's last query
@@ -663,7 +661,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   std::vector<WorkItem> chunks;
   for (int64_t row = 0; row < q_lens.size(0); ++row) {
     const int64_t c = std::min(ql[row], (ql[row] + kQueryChunk - 1) / kQueryChunk * split);
-    for (int64_t i = 0; i < c; ++i) chunks.push_back({row, ql[row] * i / c, ql[row] * (i + 1) / c});
+    for (int64_t i = 0; i < c; ++i) chunks.push_back({row, ql[row] * i / c, ql[row] * (i + 1) / c, 0, group});
   }
   const int64_t num_items = static_cast<int64_t>(chunks.size());
   const int64_t parts = num_items > 0 ? std::min(group, (split * num_chunks + num_items - 1) / num_items) : 1;
@@ -698,11 +696,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const int64_t j = i % items_per_chunk, h0 = j / parts_per_head * heads_per_item;
       WorkItem w = chunks[i / items_per_chunk];
-      if (parts_per_head > 1) {
-        const int64_t part = j % parts_per_head;
-        w.g_begin = group * part / parts_per_head;
-        w.g_end = group * (part + 1) / parts_per_head;
-      }
+      w.g_begin = group * (j % parts_per_head) / parts_per_head;
+      w.g_end = group * (j % parts_per_head + 1) / parts_per_head;
       item_fn(w, h0, h0 + heads_per_item, s, in, buf);
     }
   });
