@@ -178,6 +178,60 @@ def test_a_row_split_across_threads_equals_it_in_a_batch(dtype, dim, heads, kv_h
                                atol=tol, rtol=tol)
 
 
+def attend(b: Batch, rows: list[int], threads: int, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """The kernel's output for the queries of b's rows `rows` (in that order), one call."""
+    q = torch.cat([b.q[i] for i in rows])
+    q_lens = torch.tensor([b.rows[i][1] for i in rows])
+    k_lens = torch.tensor([sum(b.rows[i]) for i in rows])
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_paged.paged_attention(out, q, b.k_cache, b.v_cache, b.block_tables[rows],
+                                  q_lens.cumsum(0) - q_lens, q_lens, k_lens,
+                                  q.shape[-1] ** -0.5, window=window, softcap=softcap)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 40])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 1)])
+@pytest.mark.parametrize("row", [(1000, 1), (700, 5), (250, 13), (509, 3), (300, 1)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_row_cut_by_key_segments_equals_it_in_a_batch(dtype, dim, heads, kv_heads, row, threads):
+    # Keys are attended in segments of 256 at fixed positions, folded in order. A single
+    # stream's row is cut between the threads at segment edges (its kv heads' segments in
+    # one run, a contiguous piece each), its partial results merged after; in a batch of
+    # many rows one item folds all of a row's segments. Rows across one to four segments,
+    # query chunks across a segment edge (250 + 13, 509 + 3), 3 kv heads on 2 threads (a
+    # head cut in two) and 1 on 3. Each query's result must be the same bit for bit.
+    b = Batch([row] + [(90 + 37 * i, 1 + i % 3) for i in range(11)], heads, kv_heads, dim, 16,
+              dtype, seed=dim + heads + threads)
+    alone = attend(b, [0], threads)
+    batch = attend(b, list(range(len(b.rows))), threads)
+    assert torch.equal(alone, batch[:row[1]])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone.double(), dense(b.q[0], b.k[0], b.v[0], dim ** -0.5),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(16, None), (300, None), (600, 30.0), (None, 30.0)])
+@pytest.mark.parametrize("row", [(1000, 1), (700, 5), (250, 13)])
+def test_segments_with_a_window_or_soft_cap_equal_them_in_a_batch(dtype, window, softcap, row):
+    # With a window the segments wholly before it are not read; a query whose window starts
+    # inside a later segment than its chunk's first sees nothing in the earlier ones.
+    b = Batch([row] + [(90 + 37 * i, 1 + i % 3) for i in range(11)], 9, 3, 64, 16, dtype,
+              seed=(window or 0) + row[0])
+    alone = attend(b, [0], 2, window, softcap)
+    batch = attend(b, list(range(len(b.rows))), 2, window, softcap)
+    assert torch.equal(alone, batch[:row[1]])
+    assert not alone.isnan().any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_reads_q_in_place_from_a_wider_tensor(dtype):
     # In the engine q is a view into the qkv projection (rows wider than H * D): the kernel

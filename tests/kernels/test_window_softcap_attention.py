@@ -132,6 +132,18 @@ def test_single_stream_decode_per_kv_head_items(window):
     check([(700, 1)], 1, 8, 4, 128, 16, torch.bfloat16, window, None, "nan")
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("window", [None, 16, 300, 600])
+@pytest.mark.parametrize("dtype,dim,heads,kv_heads", [(torch.bfloat16, 64, 9, 3),
+                                                      (torch.bfloat16, 256, 4, 1),
+                                                      (torch.float32, 40, 9, 3)])
+@pytest.mark.parametrize("row", [(1000, 1), (700, 5), (250, 13)])
+def test_single_stream_cut_by_key_segments(row, dtype, dim, heads, kv_heads, window, softcap):
+    # one row over several 256-key segments, cut between the threads at segment edges; the
+    # blocks wholly before the window hold NaNs: no segment before it may be read
+    check([row], int(row[1] == 1), heads, kv_heads, dim, 16, dtype, window, softcap, "nan")
+
+
 @pytest.mark.parametrize("window", [1, 30, 500])
 @pytest.mark.parametrize("dim", [64, 256])
 def test_long_prompts_skip_tiles(dim, window):

@@ -3,7 +3,7 @@ evicted first: the measurement behind paged_attention.cpp's kPrefetchBlocks and 
 a row over the threads (docs/kernels.md, paged attention).
 
 SHAPE=heads,kv_heads,head_dim,layers picks the model (SmolLM2: 9,3,64,30; Gemma 3 1B:
-4,1,256,26). The KV cache is laid out as the engine lays it out (one tensor [2, layers,
+4,1,256,26), THREADS the threads (2). The KV cache is laid out as the engine lays it out (one tensor [2, layers,
 blocks, 16, kv_heads, head_dim] bf16 on 2 MiB pages); ROWS rows of QLEN query tokens (1: a decode, 5: a verify step of
 4 drafts) each attend to CTX tokens held in blocks taken in order ("seq") or scattered over
 the pool ("rand"). Before each timed call a 256 MB read evicts the caches, as a decode
@@ -31,7 +31,7 @@ def main() -> None:
     rows = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     order = sys.argv[4] if len(sys.argv) > 4 else "rand"
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("THREADS", 2)))
     blocks = (ctx + BLOCK - 1) // BLOCK
     kv = memory.zeros((2, LAYERS, POOL, BLOCK, KV_HEADS, HEAD_DIM), torch.bfloat16)
     kv.copy_(torch.randn(kv.shape).bfloat16())

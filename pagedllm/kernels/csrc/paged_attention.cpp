@@ -7,6 +7,15 @@
 // one kv head each or, when there are enough items for every thread, for all of them; the
 // query heads sharing a KV head (GQA) read each cached block once.
 //
+// Keys are attended in segments of kKeySegment positions at fixed offsets of each row (keys
+// 0..S-1, S..2S-1, ...): each segment gives a query a partial result, folded into the
+// running one in order (fold_segment). The segments are the same whichever way a step's
+// work is split, so a query's result is too; what they buy is the split itself: a single
+// stream's row is cut between the threads at segment edges, each thread reading keys of
+// its own (with SmolLM2's 3 KV heads as items, one of 2 threads sat idle a third of the
+// time; vLLM's paged_attention_v2 cuts rows likewise, in partitions of 512 keys, for GPUs).
+// A row within one segment gets the plain one-pass softmax's sums exactly.
+//
 // A window w (> 0) limits the query at position p to the keys p - w + 1 .. p: a row is read
 // from the first key its chunk's first query sees, so the blocks wholly before it (which
 // the block manager may have freed: table entry -1) are never touched. A soft-cap c (> 0)
@@ -23,12 +32,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kQueryChunk = 8;
+constexpr int64_t kKeySegment = 256;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -55,10 +67,12 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
   for (int64_t i = 0; i < d; ++i) acc[i] += a * to_float(v[i]);
 }
 
-// Query tokens [q_begin, q_end) of a row (row-relative), and of each kv head's group the
-// query heads [g_begin, g_end).
+// Query tokens [q_begin, q_end) of a row (row-relative), of each kv head's group the query
+// heads [g_begin, g_end), and the key segments [seg_begin, seg_end). partial_base < 0: those
+// are all the chunk's segments, folded as they come, and the item writes the output; else
+// each segment's partial result is left in slot seg - partial_base for merge_partials.
 struct WorkItem {
-  int64_t row, q_begin, q_end, g_begin, g_end;
+  int64_t row, q_begin, q_end, g_begin, g_end, seg_begin = 0, seg_end = 1, partial_base = -1;
 };
 
 struct Shapes {
@@ -85,6 +99,8 @@ struct Inputs {
   int64_t p_stride_t = 0, p_stride_h = 0, lse_stride_t = 0;
   int64_t window = 0;  // > 0: each query sees only its last `window` positions
   float softcap = 0.f;  // > 0: scores soft-capped
+  float* partials = nullptr;  // [T, H, slots, D + 2]: a segment's acc, m and sum (WorkItem)
+  int64_t part_stride_t = 0, part_stride_h = 0;
 };
 
 // The first key any query of item w sees (0 without a window): its first query's position
@@ -114,6 +130,50 @@ inline void write_output(const float* acc, float m, float sum, int64_t token, in
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>((acc[i] * a + to_float(po[i]) * b) * inv);
 }
 
+// Folds a segment's partial result (acc, m, sum: as write_output takes them; m = -FLT_MAX,
+// sum = 0 and acc = 0 where the query saw none of its keys) into a query's running one, in
+// place. Starting from none (-FLT_MAX, 0, zeros), the first segment comes out exactly as
+// it went in, and segments the query sees nothing of change nothing: so a row within one
+// segment gets exactly the unsegmented result.
+inline void fold_segment(float* acc_io, float& m_io, float& sum_io, const float* acc, float m,
+                         float sum, int64_t d) {
+  const float top = std::max(m_io, m);
+  const float a = std::exp(m_io - top), b = std::exp(m - top);
+  sum_io = sum_io * a + sum * b;
+  for (int64_t i = 0; i < d; ++i) acc_io[i] = acc_io[i] * a + acc[i] * b;
+  m_io = top;
+}
+
+// The running results of an item's query rows over its segments, and where they end up.
+struct Running {
+  float *acc, *m, *sum;  // [rows, d], [rows], [rows]
+  void start(int64_t rows, int64_t d) {
+    std::fill(acc, acc + rows * d, 0.f);
+    std::fill(m, m + rows, -FLT_MAX);
+    std::fill(sum, sum + rows, 0.f);
+  }
+  // Row r's result over segment seg (query (token, head)): folded in, or left as a partial.
+  template <typename T, typename C>
+  void segment(int64_t r, int64_t seg, const WorkItem& w, const float* acc_s, float m_s,
+               float sum_s, int64_t token, int64_t head, int64_t d, const Inputs<T, C>& in) {
+    if (w.partial_base < 0) {
+      fold_segment(acc + r * d, m[r], sum[r], acc_s, m_s, sum_s, d);
+      return;
+    }
+    float* dst = in.partials + token * in.part_stride_t + head * in.part_stride_h +
+                 (seg - w.partial_base) * (d + 2);
+    std::copy(acc_s, acc_s + d, dst);
+    dst[d] = m_s;
+    dst[d + 1] = sum_s;
+  }
+  // After the last segment: row r's output, unless its segments were left as partials.
+  template <typename T, typename C>
+  void finish(int64_t r, const WorkItem& w, int64_t token, int64_t head, int64_t d,
+              const Shapes& s, const Inputs<T, C>& in) const {
+    if (w.partial_base < 0) write_output(acc + r * d, m[r], sum[r], token, head, d, s, in);
+  }
+};
+
 // Blocks lie anywhere in the pool, so no hardware prefetcher can guess the next one, and
 // the few lines it runs ahead within a block do not cover memory's latency: the kernels
 // request each vector they read kPrefetchBlocks blocks ahead, one key at a time (a burst
@@ -133,12 +193,13 @@ inline void prefetch_vector(const void* p, int64_t bytes) {
 // Visits the cached tokens [begin, num_keys) of a row block by block: fn(j, n, base, ahead)
 // for the n tokens j, j + 1, ... of one block, token j + o's vector for kv head h0 at
 // base + o * s.c_stride_s (head h0 + i's i * s.c_stride_h further); ahead is the block
-// kPrefetchBlocks on, from its first token (nullptr past the last). Blocks before begin's
-// are not read (nor their table entries).
+// kPrefetchBlocks on, from its first token (nullptr past the block of key ahead_end - 1:
+// an item's segments after this one are requested too). Blocks before begin's are not read
+// (nor their table entries).
 template <typename T, typename Fn>
 inline void for_each_block(const T* cache, const int64_t* table, int64_t begin, int64_t num_keys,
-                           int64_t h0, const Shapes& s, Fn&& fn) {
-  const int64_t num_blocks = (num_keys + s.block_size - 1) / s.block_size;
+                           int64_t ahead_end, int64_t h0, const Shapes& s, Fn&& fn) {
+  const int64_t num_blocks = (ahead_end + s.block_size - 1) / s.block_size;
   for (int64_t b = begin / s.block_size, j = begin; j < num_keys; ++b) {
     const T* ahead = b + kPrefetchBlocks < num_blocks
                          ? cache + table[b + kPrefetchBlocks] * s.c_stride_b + h0 * s.c_stride_h
@@ -153,9 +214,9 @@ inline void for_each_block(const T* cache, const int64_t* table, int64_t begin, 
 // One kv head's vectors one token at a time: fn(j, pointer to token j's vector).
 template <typename T, typename Fn>
 inline void for_each_key(const T* cache, const int64_t* table, int64_t begin, int64_t num_keys,
-                         int64_t kv_head, const Shapes& s, Fn&& fn) {
+                         int64_t ahead_end, int64_t kv_head, const Shapes& s, Fn&& fn) {
   const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
-  for_each_block(cache, table, begin, num_keys, kv_head, s,
+  for_each_block(cache, table, begin, num_keys, ahead_end, kv_head, s,
                  [&](int64_t j, int64_t n, const T* base, const T* ahead) {
                    for (int64_t o = 0; o < n; ++o) {
                      if (ahead != nullptr) prefetch_vector(ahead + o * s.c_stride_s, bytes);
@@ -173,16 +234,20 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
   const int64_t gn = w.g_end - w.g_begin, num_q = w.q_end - w.q_begin, rows = num_q * gn;
   const int64_t q_len = in.q_lens[w.row], k_len = in.k_lens[w.row];
   const int64_t past = k_len - q_len;          // tokens before the row's first new token
-  const int64_t num_keys = past + w.q_end;     // keys seen by the chunk's last query
+  const int64_t chunk_end = past + w.q_end;    // keys seen by the chunk's last query
   const int64_t* table = in.tables + w.row * s.table_width;
   const int64_t first_token = in.q_starts[w.row] + w.q_begin;
-  const int64_t begin = first_key(w, in);      // the first key any query sees
-  const int64_t span = num_keys - begin;
-  buf.resize(rows * (span + d + 2));
-  float* scores = buf.data();                  // [rows, span]: keys begin..num_keys - 1
-  float* qf = scores + rows * span;            // [rows, d], scaled queries; reused as acc
-  float* row_max = qf + rows * d;              // [rows]
+  const int64_t chunk_begin = first_key(w, in);  // the first key any query sees
+  const int64_t width = std::min(kKeySegment, chunk_end - chunk_begin);
+  const int64_t item_end = std::min(chunk_end, w.seg_end * kKeySegment);  // its last key + 1
+  buf.resize(rows * (width + 3 * d + 4));
+  float* scores = buf.data();                  // [rows, width]: the segment's keys
+  float* qf = scores + rows * width;           // [rows, d], scaled queries
+  float* acc = qf + rows * d;                  // [rows, d]
+  float* row_max = acc + rows * d;             // [rows]
   float* row_sum = row_max + rows;             // [rows]
+  Running run{row_sum + rows, row_sum + rows + rows * d, row_sum + 2 * rows + rows * d};
+  run.start(rows, d);
   // Query r = (token t, head g_begin + g) sees keys [0, past + q_begin + t].
   for (int64_t t = 0; t < num_q; ++t) {
     for (int64_t g = 0; g < gn; ++g) {
@@ -192,36 +257,43 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
     }
   }
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
-  for_each_key(in.k_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const C* kj) {
-    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
-    for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d);
-  });
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = first_unmasked + r / gn + 1 - begin;  // keys [lo, n) of the span
-    const int64_t lo = in.window > 0 ? std::max<int64_t>(0, n - in.window) : 0;
-    float* sc = scores + r * span;
-    std::fill(sc, sc + lo, 0.f);  // outside the window: weight 0
-    if (in.softcap > 0.f)
-      for (int64_t j = lo; j < n; ++j) sc[j] = std::tanh(sc[j] / in.softcap) * in.softcap;
-    float m = -FLT_MAX;
-    for (int64_t j = lo; j < n; ++j) m = std::max(m, sc[j]);
-    float sum = 0.f;
-    for (int64_t j = lo; j < n; ++j) {
-      sc[j] = std::exp(sc[j] - m);
-      sum += sc[j];
+  for (int64_t seg = w.seg_begin; seg < w.seg_end; ++seg) {
+    const int64_t begin = std::max(chunk_begin, seg * kKeySegment);
+    const int64_t num_keys = std::min(chunk_end, (seg + 1) * kKeySegment);
+    const int64_t span = num_keys - begin;
+    for_each_key(in.k_cache, table, begin, num_keys, item_end, kv_head, s, [&](int64_t j, const C* kj) {
+      const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
+      for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t last = first_unmasked + r / gn + 1;  // keys [.., last) of the row
+      const int64_t n = std::clamp<int64_t>(last - begin, 0, span);  // keys [lo, n) of the span
+      const int64_t lo = in.window > 0 ? std::clamp<int64_t>(last - in.window - begin, 0, n) : 0;
+      float* sc = scores + r * span;
+      std::fill(sc, sc + lo, 0.f);  // outside the window: weight 0
+      if (in.softcap > 0.f)
+        for (int64_t j = lo; j < n; ++j) sc[j] = std::tanh(sc[j] / in.softcap) * in.softcap;
+      float m = -FLT_MAX;
+      for (int64_t j = lo; j < n; ++j) m = std::max(m, sc[j]);
+      float sum = 0.f;
+      for (int64_t j = lo; j < n; ++j) {
+        sc[j] = std::exp(sc[j] - m);
+        sum += sc[j];
+      }
+      row_max[r] = m;
+      row_sum[r] = sum;
     }
-    row_max[r] = m;
-    row_sum[r] = sum;
+    std::fill(acc, acc + rows * d, 0.f);
+    for_each_key(in.v_cache, table, begin, num_keys, item_end, kv_head, s, [&](int64_t j, const C* vj) {
+      const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
+      for (int64_t r = first_r; r < rows; ++r) axpy<C, D>(scores[r * span + j - begin], vj, acc + r * d, d);
+    });
+    for (int64_t r = 0; r < rows; ++r)
+      run.segment(r, seg, w, acc + r * d, row_max[r], row_sum[r], first_token + r / gn,
+                  kv_head * group + w.g_begin + r % gn, d, in);
   }
-  float* acc = qf;
-  std::fill(acc, acc + rows * d, 0.f);
-  for_each_key(in.v_cache, table, begin, num_keys, kv_head, s, [&](int64_t j, const C* vj) {
-    const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
-    for (int64_t r = first_r; r < rows; ++r) axpy<C, D>(scores[r * span + j - begin], vj, acc + r * d, d);
-  });
   for (int64_t r = 0; r < rows; ++r)
-    write_output(acc + r * d, row_max[r], row_sum[r], first_token + r / gn,
-                 kv_head * group + w.g_begin + r % gn, d, s, in);
+    run.finish(r, w, first_token + r / gn, kv_head * group + w.g_begin + r % gn, d, s, in);
 }
 
 template <typename T, int64_t D, typename C = T>
@@ -500,25 +572,29 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
   const int64_t group = s.num_heads / s.num_kv_heads, gn = w.g_end - w.g_begin;
   const int64_t per_head = (w.q_end - w.q_begin) * gn, rows = (h_end - h_begin) * per_head;
   const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
-  const int64_t num_keys = past + w.q_end;        // keys seen by the chunk's last query
+  const int64_t chunk_end = past + w.q_end;         // keys seen by the chunk's last query
   const int64_t first_unmasked = past + w.q_begin;  // keys every query of the chunk sees
   const int64_t* table = in.tables + w.row * s.table_width;
   const int64_t first_token = in.q_starts[w.row] + w.q_begin;
-  const int64_t begin = first_key(w, in);         // the first key any query sees
-  const int64_t span = num_keys - begin;          // scores are kept for keys [begin, num_keys)
+  const int64_t chunk_begin = first_key(w, in);     // the first key any query sees
+  const int64_t width = std::min(kKeySegment, chunk_end - chunk_begin);  // scores a segment keeps
+  const int64_t item_end = std::min(chunk_end, w.seg_end * kKeySegment);  // its last key + 1
   // Row r is kv head h_begin + r / per_head's query (token t, head g_begin + g of its
   // group), with r % per_head = t * gn + g; it sees keys [0, first_unmasked + t].
   auto token_of = [&](int64_t r) { return (r % per_head) / gn; };
   auto head_of = [&](int64_t r) { return (h_begin + r / per_head) * group + w.g_begin + r % gn; };
-  auto keys_of = [&](int64_t r) { return first_unmasked + token_of(r) + 1; };
-  // scores [rows, num_keys], then qf [rows, d] (scaled fp32 queries, then outputs),
-  // row_max and row_sum [rows]; for bf16 the queries split in even and odd elements too
-  // (or, for dot products, the bf16 queries in the same place).
-  buf.resize(rows * (span + d + 2) + (kBf16 ? rows * d : 0));
+  // scores [rows, width], then qf [rows, d] (scaled fp32 queries), acc [rows, d], row_max
+  // and row_sum [rows], the running results (acc, m, sum), and for bf16 the queries split
+  // in even and odd elements (or, for dot products, the bf16 queries in the same place).
+  buf.resize(rows * (width + 3 * d + 4) + (kBf16 ? rows * d : 0));
   float* scores = buf.data();
-  float* qf = scores + rows * span;
-  float* row_max = qf + rows * d;
+  float* qf = scores + rows * width;
+  float* acc = qf + rows * d;
+  float* row_max = acc + rows * d;
   float* row_sum = row_max + rows;
+  Running run{row_sum + rows, row_sum + rows + rows * d, row_sum + 2 * rows + rows * d};
+  float* q_extra = run.sum + rows;
+  run.start(rows, d);
   auto q_row = [&](int64_t r) {
     return in.q + (first_token + token_of(r)) * s.q_stride_t + head_of(r) * s.q_stride_h;
   };
@@ -526,7 +602,7 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
 #if defined(PAGEDLLM_BF16_DOT)
   if constexpr (kBf16) {
     if (dot_scores_allowed.load(std::memory_order_relaxed)) {
-      q_dot = reinterpret_cast<BF16*>(row_sum + rows);
+      q_dot = reinterpret_cast<BF16*>(q_extra);
       for (int64_t r = 0; r < rows; ++r) std::memcpy(q_dot + r * d, q_row(r), d * sizeof(BF16));
     }
   }
@@ -536,7 +612,7 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(q_row(r)[i]) * in.scale;
     if constexpr (kBf16) {
-      float* q_eo = row_sum + rows;  // each 32 of qf: its even elements, then its odd ones
+      float* q_eo = q_extra;  // each 32 of qf: its even elements, then its odd ones
       const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
       const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
       for (int64_t i = 0; i < rows * d; i += 32) {
@@ -547,71 +623,80 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
       q_score = q_eo;
     }
   }
-  // fn(r0, nr, n, head_base, head_ahead) for each block of up to kRowBlock rows of one kv
-  // head whose last row sees any of the block's keys: the first n of them it sees (the
-  // surplus of the other rows is zeroed by softmax_row). The last block of a head's rows
-  // (which sees the most keys) prefetches the head's vectors of the block ahead.
-  auto for_each_row_block = [&](int64_t j, int64_t n, const T* base, const T* ahead, auto&& fn) {
-    for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
-      const int64_t hi = r0 / per_head;
-      nr = std::min(kRowBlock, (hi + 1) * per_head - r0);
-      const int64_t m = std::min(n, keys_of(r0 + nr - 1) - j);
-      const bool last = r0 + nr == (hi + 1) * per_head && ahead != nullptr;
-      if (m > 0) fn(r0, nr, m, base + hi * s.c_stride_h, last ? ahead + hi * s.c_stride_h : nullptr);
-    }
-  };
-  for_each_block(in.k_cache, table, begin, num_keys, h_begin, s,
-                 [&](int64_t j, int64_t n, const T* base, const T* ahead) {
-                   for_each_row_block(j, n, base, ahead,
-                                      [&](int64_t r0, int64_t nr, int64_t m, const T* kb, const T* ka) {
+  for (int64_t seg = w.seg_begin; seg < w.seg_end; ++seg) {
+    const int64_t begin = std::max(chunk_begin, seg * kKeySegment);  // the segment's keys
+    const int64_t num_keys = std::min(chunk_end, (seg + 1) * kKeySegment);
+    const int64_t span = num_keys - begin;
+    // row r's keys in the segment end before keys_of(r) (at or before begin: none)
+    auto keys_of = [&](int64_t r) { return std::min(first_unmasked + token_of(r) + 1, num_keys); };
+    // fn(r0, nr, n, head_base, head_ahead) for each block of up to kRowBlock rows of one kv
+    // head whose last row sees any of the block's keys: the first n of them it sees (the
+    // surplus of the other rows is zeroed by softmax_row). The last block of a head's rows
+    // (which sees the most keys) prefetches the head's vectors of the block ahead.
+    auto for_each_row_block = [&](int64_t j, int64_t n, const T* base, const T* ahead, auto&& fn) {
+      for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
+        const int64_t hi = r0 / per_head;
+        nr = std::min(kRowBlock, (hi + 1) * per_head - r0);
+        const int64_t m = std::min(n, keys_of(r0 + nr - 1) - j);
+        const bool last = r0 + nr == (hi + 1) * per_head && ahead != nullptr;
+        if (m > 0) fn(r0, nr, m, base + hi * s.c_stride_h, last ? ahead + hi * s.c_stride_h : nullptr);
+      }
+    };
+    for_each_block(in.k_cache, table, begin, num_keys, item_end, h_begin, s,
+                   [&](int64_t j, int64_t n, const T* base, const T* ahead) {
+                     for_each_row_block(j, n, base, ahead,
+                                        [&](int64_t r0, int64_t nr, int64_t m, const T* kb, const T* ka) {
 #if defined(PAGEDLLM_BF16_DOT)
-                                        if constexpr (kBf16) {
-                                          if (q_dot != nullptr) {
-                                            by_rows<T, NV, ScoreDot>(nr, static_cast<const BF16*>(q_dot + r0 * d),
-                                                                     in.scale, scores + r0 * span + j - begin,
-                                                                     span, kb, ka, m, s);
-                                            return;
+                                          if constexpr (kBf16) {
+                                            if (q_dot != nullptr) {
+                                              by_rows<T, NV, ScoreDot>(nr, static_cast<const BF16*>(q_dot + r0 * d),
+                                                                       in.scale, scores + r0 * span + j - begin,
+                                                                       span, kb, ka, m, s);
+                                              return;
+                                            }
                                           }
-                                        }
 #endif
-                                        by_rows<T, NV, Score>(nr, q_score + r0 * d,
-                                                              scores + r0 * span + j - begin, span,
-                                                              kb, ka, m, s);
-                                      });
-                 });
-  {
-    // The value pass's first block (no block before it prefetches it), requested while the
-    // softmax computes: 3-10% faster from memory in one-process A/B runs on the Zen 5.
-    const int64_t b0 = begin / s.block_size, o0 = begin - b0 * s.block_size;
-    const T* first = in.v_cache + table[b0] * s.c_stride_b + o0 * s.c_stride_s;
-    const int64_t n0 = std::min(s.block_size - o0, span);
-    for (int64_t o = 0; o < n0; ++o)
-      for (int64_t h = h_begin; h < h_end; ++h)
-        prefetch_vector(first + o * s.c_stride_s + h * s.c_stride_h, d * static_cast<int64_t>(sizeof(T)));
-  }
-  if (in.window <= 0 && in.softcap <= 0.f) {
-    for (int64_t r = 0; r < rows; ++r)
-      row_sum[r] = softmax_row(scores + r * span, keys_of(r) - begin, span, row_max + r);
-  } else {  // row r's window: keys [keys_of(r) - window, keys_of(r))
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t n = keys_of(r) - begin;
-      const int64_t lo = in.window > 0 ? std::max<int64_t>(0, n - in.window) : 0;
-      row_sum[r] = softmax_window(scores + r * span, lo, n, span, in.softcap, row_max + r);
+                                          by_rows<T, NV, Score>(nr, q_score + r0 * d,
+                                                                scores + r0 * span + j - begin, span,
+                                                                kb, ka, m, s);
+                                        });
+                   });
+    {
+      // The value pass's first block (no block before it prefetches it), requested while the
+      // softmax computes: 3-10% faster from memory in one-process A/B runs on the Zen 5.
+      const int64_t b0 = begin / s.block_size, o0 = begin - b0 * s.block_size;
+      const T* first = in.v_cache + table[b0] * s.c_stride_b + o0 * s.c_stride_s;
+      const int64_t n0 = std::min(s.block_size - o0, span);
+      for (int64_t o = 0; o < n0; ++o)
+        for (int64_t h = h_begin; h < h_end; ++h)
+          prefetch_vector(first + o * s.c_stride_s + h * s.c_stride_h, d * static_cast<int64_t>(sizeof(T)));
     }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::max<int64_t>(0, keys_of(r) - begin);
+      if (in.window <= 0 && in.softcap <= 0.f) {
+        row_sum[r] = softmax_row(scores + r * span, n, span, row_max + r);
+      } else {  // row r's window: keys [first_unmasked + t + 1 - window, ..)
+        const int64_t end = first_unmasked + token_of(r) + 1;
+        const int64_t lo = in.window > 0 ? std::clamp<int64_t>(end - in.window - begin, 0, n) : 0;
+        row_sum[r] = softmax_window(scores + r * span, lo, n, span, in.softcap, row_max + r);
+      }
+    }
+    std::fill(acc, acc + rows * d, 0.f);
+    for_each_block(in.v_cache, table, begin, num_keys, item_end, h_begin, s,
+                   [&](int64_t j, int64_t n, const T* base, const T* ahead) {
+                     for_each_row_block(j, n, base, ahead,
+                                        [&](int64_t r0, int64_t nr, int64_t m, const T* vb, const T* va) {
+                                          by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * span + j - begin),
+                                                                span, acc + r0 * d, vb, va, m, s);
+                                        });
+                   });
+    if constexpr (kBf16) interleave_even_odd(acc, rows * d);
+    for (int64_t r = 0; r < rows; ++r)
+      run.segment(r, seg, w, acc + r * d, row_max[r], row_sum[r], first_token + token_of(r),
+                  head_of(r), d, in);
   }
-  float* acc = qf;  // the queries are no longer needed
-  std::fill(acc, acc + rows * d, 0.f);
-  for_each_block(in.v_cache, table, begin, num_keys, h_begin, s,
-                 [&](int64_t j, int64_t n, const T* base, const T* ahead) {
-                   for_each_row_block(j, n, base, ahead,
-                                      [&](int64_t r0, int64_t nr, int64_t m, const T* vb, const T* va) {
-                                        by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * span + j - begin),
-                                                              span, acc + r0 * d, vb, va, m, s);
-                                      });
-                 });
-  if constexpr (kBf16) interleave_even_odd(acc, rows * d);
   for (int64_t r = 0; r < rows; ++r)
-    write_output(acc + r * d, row_max[r], row_sum[r], first_token + token_of(r), head_of(r), d, s, in);
+    run.finish(r, w, first_token + token_of(r), head_of(r), d, s, in);
 }
 #endif  // __AVX512F__
 
@@ -634,6 +719,26 @@ ItemFn<T, C> pick_item_fn(int64_t head_dim) {
                                                                   : attend_item<T, 0, C>;
 }
 
+// The outputs of the queries of unit w (its chunk's tokens, kv head kv_head's query heads
+// [g_begin, g_end)) from the partial results of its segments, folded in order (as an item
+// over all of them folds them).
+template <typename T, typename C>
+void merge_partials(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inputs<T, C>& in,
+                    std::vector<float>& acc) {
+  const int64_t d = s.head_dim, group = s.num_heads / s.num_kv_heads;
+  acc.resize(d);
+  for (int64_t token = in.q_starts[w.row] + w.q_begin, t = w.q_begin; t < w.q_end; ++token, ++t) {
+    for (int64_t head = kv_head * group + w.g_begin; head < kv_head * group + w.g_end; ++head) {
+      const float* part = in.partials + token * in.part_stride_t + head * in.part_stride_h;
+      float m = -FLT_MAX, sum = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t seg = w.seg_begin; seg < w.seg_end; ++seg, part += d + 2)
+        fold_segment(acc.data(), m, sum, part, part[d], part[d + 1], d);
+      write_output(acc.data(), m, sum, token, head, d, s, in);
+    }
+  }
+}
+
 template <typename T, typename C = T>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& q_starts, const at::Tensor& q_lens,
@@ -643,39 +748,6 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
                  q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   const int64_t* kl = k_lens.data_ptr<int64_t>();
-  // Work items: (row, chunk of query tokens), largest first, handed out one at a time
-  // (rows' contexts differ a lot: a static split leaves one thread idle). With enough of
-  // them for every thread an item covers all kv heads, so it reads each block of its row
-  // once, whole and in order; with few (a single stream) each kv head is an item of its own.
-  // With fewer kv heads than threads (Gemma 3 1B's one: a single stream's attention ran on
-  // one thread), a chunk's tokens are split in more chunks and, where it has too few (a
-  // decode's one), the query heads of each kv head's group are, the parts of one kv head
-  // next to each other so that the threads read its blocks at the same time. Every query's
-  // sums are the same in whichever item it is.
-  const int64_t threads = at::get_num_threads();
-  const int64_t group = s.num_heads / s.num_kv_heads;
-  int64_t num_chunks = 0;
-  for (int64_t row = 0; row < q_lens.size(0); ++row) num_chunks += (ql[row] + kQueryChunk - 1) / kQueryChunk;
-  const int64_t units = num_chunks * s.num_kv_heads;
-  const int64_t split = 0 < units && units < threads ? (threads + units - 1) / units : 1;
-  std::vector<WorkItem> chunks;
-  for (int64_t row = 0; row < q_lens.size(0); ++row) {
-    const int64_t c = std::min(ql[row], (ql[row] + kQueryChunk - 1) / kQueryChunk * split);
-    for (int64_t i = 0; i < c; ++i) chunks.push_back({row, ql[row] * i / c, ql[row] * (i + 1) / c, 0, group});
-  }
-  const int64_t num_items = static_cast<int64_t>(chunks.size());
-  const int64_t parts = num_items > 0 ? std::min(group, (split * num_chunks + num_items - 1) / num_items) : 1;
-  auto cost = [&](const WorkItem& w) {
-    const int64_t keys = kl[w.row] - ql[w.row] + w.q_end;
-    return (w.q_end - w.q_begin) * (window > 0 ? std::min(keys, window + w.q_end - w.q_begin) : keys);
-  };
-  std::stable_sort(chunks.begin(), chunks.end(),
-                   [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
-  const bool whole_rows = static_cast<int64_t>(chunks.size()) >= 4 * threads;
-  const int64_t heads_per_item = whole_rows ? s.num_kv_heads : 1;
-  const int64_t parts_per_head = whole_rows ? 1 : parts;
-  const int64_t items_per_chunk = s.num_kv_heads / heads_per_item * parts_per_head;
-  const int64_t n = static_cast<int64_t>(chunks.size()) * items_per_chunk;
   Inputs<T, C> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                 block_tables.data_ptr<int64_t>(), q_starts.data_ptr<int64_t>(), ql, kl, scale,
                 out.stride(0), out.stride(1)};
@@ -689,16 +761,136 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
     in.lse_stride_t = prefix_lse->stride(0);
   }
   const ItemFn<T, C> item_fn = pick_item_fn<T, C>(s.head_dim);
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  // a chunk's key segments [first, end) and the keys of segment seg it reads
+  auto segments_of = [&](const WorkItem& w) {
+    const int64_t past = kl[w.row] - ql[w.row];
+    return std::make_pair(first_key(w, in) / kKeySegment, (past + w.q_end - 1) / kKeySegment + 1);
+  };
+  auto keys_in = [&](const WorkItem& w, int64_t seg) {
+    const int64_t past = kl[w.row] - ql[w.row];
+    return std::min(past + w.q_end, (seg + 1) * kKeySegment) -
+           std::max(first_key(w, in), seg * kKeySegment);
+  };
+  // (row, chunk of query tokens) items, split further in split times as many chunks
+  auto make_chunks = [&](int64_t split) {
+    std::vector<WorkItem> chunks;
+    for (int64_t row = 0; row < q_lens.size(0); ++row) {
+      const int64_t c = std::min(ql[row], (ql[row] + kQueryChunk - 1) / kQueryChunk * split);
+      for (int64_t i = 0; i < c; ++i) {
+        WorkItem w{row, ql[row] * i / c, ql[row] * (i + 1) / c, 0, group};
+        std::tie(w.seg_begin, w.seg_end) = segments_of(w);
+        chunks.push_back(w);
+      }
+    }
+    return chunks;
+  };
+  std::vector<WorkItem> chunks = make_chunks(1);
+  if (static_cast<int64_t>(chunks.size()) >= 4 * threads) {
+    // Enough chunks for every thread: an item is a whole chunk, all kv heads, all segments
+    // (it reads each block of its row once, whole and in order), largest first, handed out
+    // one at a time (rows' contexts differ a lot: a static split leaves a thread idle).
+    auto cost = [&](const WorkItem& w) {
+      int64_t keys = 0;
+      for (int64_t seg = w.seg_begin; seg < w.seg_end; ++seg) keys += keys_in(w, seg);
+      return (w.q_end - w.q_begin) * keys;
+    };
+    std::stable_sort(chunks.begin(), chunks.end(),
+                     [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
+    const int64_t n = static_cast<int64_t>(chunks.size());
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> buf;
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
+        item_fn(chunks[i], 0, s.num_kv_heads, s, in, buf);
+    });
+    return;
+  }
+  // Few chunks (a single stream's decode or verify step): the work is a run of units, each
+  // a (chunk, kv head) — with fewer of them than threads (Gemma 3 1B's one kv head over a
+  // short context), a (smaller chunk, kv head, part of its group of query heads), the parts
+  // of one kv head next to each other — each a run of key segments, cut in one contiguous
+  // piece of about equal keys per thread at segment edges: each thread streams its keys in
+  // order, and a unit cut in two leaves its segments' partial results, merged by whichever
+  // thread finishes the unit's last item. Every query's sums are the same as in a batch.
+  int64_t units = 0;  // a last segment of under half a segment's keys not counted
+  for (const WorkItem& w : chunks)
+    units += (w.seg_end - w.seg_begin - (w.seg_end - w.seg_begin > 1 &&
+                                         2 * keys_in(w, w.seg_end - 1) < kKeySegment)) * s.num_kv_heads;
+  const int64_t split = 0 < units && units < threads ? (threads + units - 1) / units : 1;
+  const int64_t num_before = static_cast<int64_t>(chunks.size());
+  if (split > 1) chunks = make_chunks(split);
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  const int64_t parts = num_chunks > 0 ? std::min(group, (split * num_before + num_chunks - 1) / num_chunks) : 1;
+  int64_t total = 0;
+  for (const WorkItem& w : chunks)
+    for (int64_t seg = w.seg_begin; seg < w.seg_end; ++seg) total += keys_in(w, seg) * (w.q_end - w.q_begin);
+  total *= s.num_kv_heads * parts;
+  struct Item {
+    WorkItem w;
+    int64_t kv_head, unit, thread;
+  };
+  std::vector<Item> items;   // by thread, each thread's in order
+  std::vector<WorkItem> cut;  // the units cut between threads, whole
+  std::vector<int64_t> cut_heads;
+  int64_t done = 0;  // cost of the segments before
+  for (const WorkItem& chunk : chunks) {
+    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+      for (int64_t p = 0; p < parts; ++p) {
+        WorkItem w = chunk;
+        w.g_begin = group * p / parts;
+        w.g_end = group * (p + 1) / parts;
+        const size_t first_item = items.size();
+        for (int64_t seg = chunk.seg_begin; seg < chunk.seg_end; ++seg) {
+          const int64_t cost = keys_in(chunk, seg) * (chunk.q_end - chunk.q_begin);
+          // the thread whose share holds the segment's middle
+          const int64_t t = total > 0 ? std::min<int64_t>(threads - 1, (2 * done + cost) * threads / (2 * total)) : 0;
+          done += cost;
+          if (items.size() > first_item && items.back().thread == t) {
+            ++items.back().w.seg_end;  // the unit's next segment, on the same thread
+            continue;
+          }
+          w.seg_begin = seg;
+          w.seg_end = seg + 1;
+          items.push_back({w, h, -1, t});
+        }
+        if (items.size() - first_item > 1) {  // on several threads: each leaves partials
+          for (size_t i = first_item; i < items.size(); ++i) {
+            items[i].w.partial_base = chunk.seg_begin;
+            items[i].unit = static_cast<int64_t>(cut.size());
+          }
+          cut.push_back({w.row, w.q_begin, w.q_end, w.g_begin, w.g_end, chunk.seg_begin, chunk.seg_end});
+          cut_heads.push_back(h);
+        }
+      }
+    }
+  }
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[cut.size()]);
+  int64_t max_slots = 1;
+  for (size_t u = 0; u < cut.size(); ++u) {
+    pending[u].store(0, std::memory_order_relaxed);
+    max_slots = std::max(max_slots, cut[u].seg_end - cut[u].seg_begin);
+  }
+  for (const Item& item : items)
+    if (item.unit >= 0) pending[item.unit].fetch_add(1, std::memory_order_relaxed);
+  thread_local std::vector<float> partials;  // [T, H, slots, D + 2]
+  if (!cut.empty()) {
+    partials.resize(q.size(0) * s.num_heads * max_slots * (s.head_dim + 2));
+    in.partials = partials.data();
+    in.part_stride_h = max_slots * (s.head_dim + 2);
+    in.part_stride_t = s.num_heads * in.part_stride_h;
+  }
+  std::vector<size_t> starts(threads + 1, items.size());  // thread t's items [starts[t], starts[t + 1])
+  for (size_t i = items.size(); i-- > 0;) starts[items[i].thread] = i;
+  for (int64_t t = threads - 1; t >= 0; --t) starts[t] = std::min(starts[t], starts[t + 1]);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const int64_t j = i % items_per_chunk, h0 = j / parts_per_head * heads_per_item;
-      WorkItem w = chunks[i / items_per_chunk];
-      w.g_begin = group * (j % parts_per_head) / parts_per_head;
-      w.g_end = group * (j % parts_per_head + 1) / parts_per_head;
-      item_fn(w, h0, h0 + heads_per_item, s, in, buf);
+    for (size_t i = starts[t0]; i < starts[t1]; ++i) {
+      const Item& item = items[i];
+      item_fn(item.w, item.kv_head, item.kv_head + 1, s, in, buf);
+      if (item.unit >= 0 && pending[item.unit].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_partials(cut[item.unit], cut_heads[item.unit], s, in, buf);
     }
   });
 }
