@@ -10,6 +10,10 @@ The roofline of a workload is the larger of two lower bounds:
   memory:  the weights read once per decode step (at least max output length - 1 steps)
            plus every decode token reading its whole context's K and V, at the measured
            memory bandwidth.
+A mixture of experts computes, per token, its top-k experts of each sparse layer (plus its
+router and shared expert); a decode step of R rows reads the experts they route to, under
+uniform routing E (1 - (1 - k/E)^R) of each layer's E on average (k for one row, nearly all
+of them for a batch), with R the workload's decode tokens over its decode steps.
 It assumes the compute-bound work (prompts) and the memory-bound work (decode) overlap
 perfectly. The serial bound does not: the prompts' FLOPs at the peak, then the decode at
 its own roofline (a request's decode cannot start before its prompt, and on a CPU the same
@@ -28,11 +32,14 @@ from pagedllm.models.config import ModelConfig
 
 @dataclass(frozen=True)
 class ModelCost:
-    body_flops_per_token: float   # every decoder layer's linear layers
+    body_flops_per_token: float   # every decoder layer's linear layers (a token's experts)
     head_flops_per_token: float   # the LM head
     attn_flops_per_pair: float    # one (query, key) pair over all layers
-    weight_params: int            # parameters read by one decode step (body + LM head)
+    weight_params: int            # parameters read by one row's decode step (body + LM head)
     kv_elements_per_token: int    # K and V of one token over all layers
+    expert_params: int = 0        # one routed expert of every sparse layer (0: dense)
+    num_experts: int = 0
+    experts_per_token: int = 0
 
     @property
     def prompt_flops_per_token(self) -> float:
@@ -41,6 +48,20 @@ class ModelCost:
     @property
     def output_flops_per_token(self) -> float:
         return self.body_flops_per_token + self.head_flops_per_token
+
+    @property
+    def total_weight_params(self) -> int:
+        """Every parameter of the linear layers and the LM head, all experts included."""
+        return self.weight_params + (self.num_experts - self.experts_per_token) * self.expert_params
+
+    def step_weight_params(self, rows: float) -> float:
+        """Parameters a decode step of `rows` rows reads: all of a dense model's; of each
+        sparse layer's experts, those uniform routing reaches on average."""
+        if not self.num_experts:
+            return self.weight_params
+        e, k = self.num_experts, self.experts_per_token
+        reached = e * (1.0 - (1.0 - k / e) ** max(rows, 1.0))
+        return self.weight_params + (reached - k) * self.expert_params
 
     def summary(self) -> dict:
         return {**asdict(self), "gflop_per_prompt_token": self.prompt_flops_per_token / 1e9,
@@ -51,15 +72,25 @@ def model_cost(mc: ModelConfig) -> ModelCost:
     h, d = mc.hidden_size, mc.head_dim
     q_out, kv_out = mc.num_attention_heads * d, mc.num_key_value_heads * d
     attn_params = h * q_out + 2 * h * kv_out + q_out * h
-    mlp_params = 3 * h * mc.intermediate_size  # gate, up, down
-    body_params = mc.num_hidden_layers * (attn_params + mlp_params)
+    sparse = sum(mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
+    dense_mlp = 3 * h * mc.intermediate_size  # gate, up, down
+    expert = 3 * h * mc.moe_intermediate_size if sparse else 0
+    shared = mc.shared_expert_intermediate_size
+    # a sparse layer's router, its shared expert and the shared expert's gate
+    sparse_fixed = h * mc.num_experts + (3 * h * shared + h if shared else 0)
+    k = mc.num_experts_per_tok if sparse else 0
+    body_params = (mc.num_hidden_layers * attn_params + (mc.num_hidden_layers - sparse) * dense_mlp
+                   + sparse * (sparse_fixed + k * expert))
     head_params = h * mc.vocab_size
     return ModelCost(
         body_flops_per_token=2.0 * body_params,
         head_flops_per_token=2.0 * head_params,
         attn_flops_per_pair=4.0 * mc.num_hidden_layers * q_out,
         weight_params=body_params + head_params,
-        kv_elements_per_token=2 * mc.num_hidden_layers * kv_out)
+        kv_elements_per_token=2 * mc.num_hidden_layers * kv_out,
+        expert_params=sparse * expert,
+        num_experts=mc.num_experts if sparse else 0,
+        experts_per_token=k)
 
 
 def _sum_range(lo: int, hi: int) -> int:
@@ -114,9 +145,12 @@ def workload_prompt_flops(cost: ModelCost, workload: Workload) -> float:
 def workload_min_bytes(cost: ModelCost, workload: Workload, itemsize: int) -> float:
     """Bytes that must cross the memory bus at least: weights per decode step, K/V per decode token."""
     decode_steps = max(r.output_len for r in workload.requests) - 1
+    decode_tokens = sum(r.output_len - 1 for r in workload.requests)
     kv_reads = sum(_sum_range(r.prompt_len + 1, r.prompt_len + r.output_len - 1)
                    for r in workload.requests)
-    return itemsize * (decode_steps * cost.weight_params + kv_reads * cost.kv_elements_per_token)
+    rows = decode_tokens / decode_steps if decode_steps else 1.0
+    return itemsize * (decode_steps * cost.step_weight_params(rows)
+                       + kv_reads * cost.kv_elements_per_token)
 
 
 @dataclass(frozen=True)
@@ -168,11 +202,13 @@ def decode_step_roofline_seconds(cost: ModelCost, context_len: int, itemsize: in
                                  peak_gflops: float, bandwidth_gbs: float,
                                  weight_bytes: float | None = None) -> float:
     """Fastest single-stream decode step at a given context length (W2's decode bound).
-    weight_bytes: what the engine's weights take if not weight_params of itemsize bytes
-    (quantized weights)."""
+    weight_bytes: what the engine's weights take (all experts) if not itemsize bytes a
+    parameter (quantized weights)."""
     flops = cost.output_flops_per_token + context_len * cost.attn_flops_per_pair
     if weight_bytes is None:
         weight_bytes = itemsize * cost.weight_params
+    else:  # of a mixture of experts, the step reads its k experts' share
+        weight_bytes *= cost.weight_params / cost.total_weight_params
     nbytes = weight_bytes + itemsize * context_len * cost.kv_elements_per_token
     return max(flops / (peak_gflops * 1e9), nbytes / (bandwidth_gbs * 1e9))
 

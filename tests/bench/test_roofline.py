@@ -92,3 +92,46 @@ def test_serial_bound_is_the_prompts_at_the_peak_then_the_decode_roofline(smollm
     slow = workload_roofline(cost, w, itemsize=2, peak_gflops=1.0, bandwidth_gbs=bw)
     assert slow.serial_seconds == pytest.approx(slow.compute_seconds)
     assert roof.summary()["serial_seconds"] == roof.serial_seconds
+
+
+def moe_config(preset: str, **changes):
+    """The preset's config (random_model.py), as the HF loader reads its config.json."""
+    import transformers
+    from pagedllm.bench.random_model import _MODEL_CLASSES, PRESETS
+    from pagedllm.loader.hf_loader import config_from_hf
+    config_class, kwargs = PRESETS[preset]
+    hf = getattr(transformers, config_class)(**{**kwargs, **changes}).to_dict()
+    hf["architectures"] = [_MODEL_CLASSES[config_class]]
+    return config_from_hf(hf, preset)
+
+
+@pytest.mark.parametrize("preset,changes", [
+    ("qwen3-30b-a3b-4layers", {}),
+    ("qwen3-30b-a3b-4layers", {"mlp_only_layers": [1], "decoder_sparse_step": 1}),
+    ("mixtral-8x7b-2layers", {})])
+def test_a_mixture_of_experts_computes_its_top_k_experts_and_reads_those_it_reaches(preset, changes):
+    config = moe_config(preset, **changes)
+    shapes = model_class(config).checkpoint_shapes(config)
+    linear = {n: s[0] * s[1] for n, s in shapes.items() if n.startswith("model.layers.") and len(s) == 2}
+    experts = sum(v for n, v in linear.items() if ".experts." in n)
+    rest = sum(linear.values()) - experts
+    e, k = config.num_experts, config.num_experts_per_tok
+    head = config.hidden_size * config.vocab_size
+    cost = model_cost(config)
+    assert cost.body_flops_per_token == 2 * (rest + k * experts // e)
+    assert cost.weight_params == rest + k * experts // e + head
+    assert cost.total_weight_params == rest + experts + head
+    # one row reads its k experts; a batch reaches more, never more than all of them
+    assert cost.step_weight_params(1) == pytest.approx(cost.weight_params)
+    assert cost.weight_params < cost.step_weight_params(8) < cost.step_weight_params(64)
+    assert cost.step_weight_params(10_000) == pytest.approx(cost.total_weight_params)
+    # a workload's decode steps of 32 rows each read what 32 rows reach
+    w = Workload("w1", "", [BenchRequest(list(range(16)), 9) for _ in range(32)])
+    assert workload_min_bytes(cost, w, 2) == pytest.approx(
+        2 * (8 * cost.step_weight_params(32)
+             + 32 * sum(range(17, 25)) * cost.kv_elements_per_token))
+
+
+def test_a_dense_model_reads_all_its_weights_whatever_the_rows(smollm_config):
+    cost = model_cost(smollm_config)
+    assert cost.total_weight_params == cost.weight_params == cost.step_weight_params(64)
