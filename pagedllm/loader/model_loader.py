@@ -62,7 +62,12 @@ def keep_gguf_weights(model: nn.Module, log: bool = True) -> None:
         return
     kept = [m for m in layers
             if quantized.finish_gguf(m, fp32_out=isinstance(m, LinearLayer) and m.fp32_out)]
-    kept_experts = [m for m in experts if m.finish_gguf()]
+    memory.release_free_memory()
+    kept_experts = []
+    for m in experts:  # an expert block's bytes (~370 MB at Qwen3-30B-A3B) freed as we go
+        if m.finish_gguf():
+            kept_experts.append(m)
+        memory.release_free_memory()
     head = getattr(model, "lm_head", None)
     for embed in (m for m in model.modules() if isinstance(m, VocabParallelEmbedding)):
         if (embed.gguf_parts is not None and head is not None and head is not embed
