@@ -13,6 +13,11 @@
 // layers.
 #include "ops.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+
 namespace pagedllm {
 namespace {
 
@@ -70,20 +75,48 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                 " out of range for ", experts, " experts");
     pairs[id[p]].push_back(p);
   }
-  at::Tensor out = at::zeros_like(x);
+  // Each chosen expert's MLP over its rows; y[e] its rows' outputs, in pair order.
+  std::vector<int64_t> chosen;
+  int64_t most = 0;
   for (int64_t e = 0; e < experts; ++e) {
-    const std::vector<int64_t>& mine = pairs[e];
-    if (mine.empty()) continue;
-    const int64_t count = static_cast<int64_t>(mine.size());
-    at::Tensor rows = at::empty({count}, ids.options());
-    int64_t* r = rows.data_ptr<int64_t>();
-    for (int64_t i = 0; i < count; ++i) r[i] = mine[i] / top_k;
-    const at::Tensor h = silu_and_mul(expert_linear(x.index_select(0, rows), gate_up[e], small_rows));
-    const at::Tensor y = expert_linear(h, down[e], small_rows).contiguous();
+    if (pairs[e].empty()) continue;
+    chosen.push_back(e);
+    most = std::max(most, static_cast<int64_t>(pairs[e].size()));
+  }
+  std::vector<at::Tensor> rows(experts), y(experts);
+  for (int64_t e : chosen) {
+    rows[e] = at::empty({static_cast<int64_t>(pairs[e].size())}, ids.options());
+    int64_t* r = rows[e].data_ptr<int64_t>();
+    for (size_t i = 0; i < pairs[e].size(); ++i) r[i] = pairs[e][i] / top_k;
+  }
+  auto run_expert = [&](int64_t e) {
+    const at::Tensor h = silu_and_mul(expert_linear(x.index_select(0, rows[e]), gate_up[e], small_rows));
+    y[e] = expert_linear(h, down[e], small_rows).contiguous();
+  };
+  if (most <= small_rows && at::get_num_threads() > 1 && chosen.size() > 1) {
+    // Few rows an expert (decode steps): the weights are read, hardly computed on. Each
+    // expert is run by one thread, the threads taking experts from a shared counter, so a
+    // thread streams whole experts one after another. Split between the threads instead,
+    // every expert's two linears end in a barrier and restart both threads' streams:
+    // Qwen3-30B-A3B's Q4_K experts (2.7 MB each) took 0.57 / 2.0 / 6.2 ms a layer at
+    // 1 / 4 / 16 rows that way, 0.53-0.57 / 1.86-1.97 / 5.75-5.81 ms this way. The linears'
+    // own parallel loops run inline here (nested), and an expert's results do not depend
+    // on which thread ran it.
+    std::atomic<size_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (size_t i = next++; i < chosen.size(); i = next++) run_expert(chosen[i]);
+    });
+  } else {
+    for (int64_t e : chosen) run_expert(e);
+  }
+  // the weighted sums, expert after expert as before
+  at::Tensor out = at::zeros_like(x);
+  for (int64_t e : chosen) {
+    const int64_t* r = rows[e].data_ptr<int64_t>();
     if (fp32)
-      add_scaled_rows<float>(out, y, r, w, mine);
+      add_scaled_rows<float>(out, y[e], r, w, pairs[e]);
     else
-      add_scaled_rows<c10::BFloat16>(out, y, r, w, mine);
+      add_scaled_rows<c10::BFloat16>(out, y[e], r, w, pairs[e]);
   }
   return out;
 }
