@@ -100,7 +100,8 @@ class PagedLLMRunner:
                 "num_kv_blocks": self.llm.engine.model_runner.num_kvcache_blocks,
                 "load_s": round(self.load_s, 2), "structured_output": self.structured,
                 **({"label": ", ".join(labels)} if labels else {}),
-                **({"weight_bytes": decode_read_bytes(runner.model)}
+                # every expert's, as llama-bench's file size: the roofline takes a token's share
+                **({"weight_bytes": decode_read_bytes(runner.model, every_expert=True)}
                    if cfg.quantization == "gguf" else {})}
 
     def warmup(self, workload: Workload) -> None:

@@ -81,10 +81,11 @@ def keep_gguf_weights(model: nn.Module, log: bool = True) -> None:
                     len(experts), ", ".join(types), quantized.packed_bytes(model) / 2**20)
 
 
-def decode_read_bytes(model: nn.Module) -> int:
+def decode_read_bytes(model: nn.Module, every_expert: bool = False) -> int:
     """Weight bytes one decode token reads: every linear's weight in the form its method
     computes from (a GGUF packing, a bf16 weight), a tied head's once, and of each MoE
-    layer's experts the share a token routes to (top_k of them)."""
+    layer's experts the share a token routes to (top_k of them), or all of them where
+    every_expert (what the weights take, as a file's size counts them)."""
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, LinearLayer):
@@ -98,7 +99,7 @@ def decode_read_bytes(model: nn.Module) -> int:
         elif isinstance(m, FusedMoE):
             experts = (sum(p.packed.nbytes for w13, w2 in m.gguf_experts for p in w13 + w2)
                        if m.gguf_experts is not None else m.w13.nbytes + m.w2.nbytes)
-            total += experts * m.top_k // m.num_experts
+            total += experts if every_expert else experts * m.top_k // m.num_experts
     return total
 
 

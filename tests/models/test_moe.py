@@ -161,6 +161,30 @@ def test_gguf_experts_in_one_call_equal_the_loop_bit_for_bit(qtype, tokens):
     assert torch.equal(fused, loop)
 
 
+def test_decode_read_bytes_count_a_tokens_experts_or_all_of_them():
+    """A decode token reads top_k of E experts' packed bytes; the bench's roofline takes the
+    weights with all experts (as llama-bench's file size) and scales them to a token's share
+    itself, so it must get them all (it got the share, and scaled it again: a Qwen3-30B-A3B
+    Q4_K_M file read 13% of a bound 8x too fast)."""
+    if not probes.available():
+        pytest.skip(f"C++ kernels unavailable: {probes.unavailable_reason()}")
+    from gguf import GGMLQuantizationType as T
+    from gguf_from_hf import random_blocks
+    from pagedllm.layers.quantized import GGUFWeight
+    from pagedllm.loader.model_loader import decode_read_bytes
+    rng = np.random.default_rng(0)
+    layer = FusedMoE(E, 2, 256, 256, renormalize=True)
+    for e in range(E):
+        for shard in ("gate", "up", "down"):
+            blocks = torch.from_numpy(random_blocks(T.Q4_K, 256, 256, 0.05, rng))
+            assert layer.take_gguf(GGUFWeight(T.Q4_K, blocks, 256), e, shard)
+    assert layer.finish_gguf()
+    every = sum(p.packed.nbytes for w13, w2 in layer.gguf_experts for p in w13 + w2)
+    assert every >= 3 * 256 * 256 // 256 * 144 * E      # 144 bytes a Q4_K block of 256
+    assert decode_read_bytes(layer, every_expert=True) == every
+    assert decode_read_bytes(layer) == every * 2 // E
+
+
 def count_expert_calls(layer: FusedMoE, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     expert = layer._expert
