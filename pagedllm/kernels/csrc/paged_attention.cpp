@@ -831,9 +831,12 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
     WorkItem w;
     int64_t kv_head, unit, thread;
   };
-  std::vector<Item> items;   // by thread, each thread's in order
-  std::vector<WorkItem> cut;  // the units cut between threads, whole
-  std::vector<int64_t> cut_heads;
+  struct Cut {  // a unit cut between threads
+    WorkItem whole;
+    int64_t kv_head, items;  // its items, each leaving partials; the last merges them
+  };
+  std::vector<Item> items;  // by thread, each thread's in order
+  std::vector<Cut> cut;
   int64_t done = 0;  // cost of the segments before
   for (const WorkItem& chunk : chunks) {
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
@@ -860,8 +863,10 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
             items[i].w.partial_base = chunk.seg_begin;
             items[i].unit = static_cast<int64_t>(cut.size());
           }
-          cut.push_back({w.row, w.q_begin, w.q_end, w.g_begin, w.g_end, chunk.seg_begin, chunk.seg_end});
-          cut_heads.push_back(h);
+          WorkItem whole = w;
+          whole.seg_begin = chunk.seg_begin;
+          whole.seg_end = chunk.seg_end;
+          cut.push_back({whole, h, static_cast<int64_t>(items.size() - first_item)});
         }
       }
     }
@@ -869,11 +874,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[cut.size()]);
   int64_t max_slots = 1;
   for (size_t u = 0; u < cut.size(); ++u) {
-    pending[u].store(0, std::memory_order_relaxed);
-    max_slots = std::max(max_slots, cut[u].seg_end - cut[u].seg_begin);
+    pending[u].store(cut[u].items, std::memory_order_relaxed);
+    max_slots = std::max(max_slots, cut[u].whole.seg_end - cut[u].whole.seg_begin);
   }
-  for (const Item& item : items)
-    if (item.unit >= 0) pending[item.unit].fetch_add(1, std::memory_order_relaxed);
   thread_local std::vector<float> partials;  // [T, H, slots, D + 2]
   if (!cut.empty()) {
     partials.resize(q.size(0) * s.num_heads * max_slots * (s.head_dim + 2));
@@ -890,7 +893,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
       const Item& item = items[i];
       item_fn(item.w, item.kv_head, item.kv_head + 1, s, in, buf);
       if (item.unit >= 0 && pending[item.unit].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge_partials(cut[item.unit], cut_heads[item.unit], s, in, buf);
+        merge_partials(cut[item.unit].whole, cut[item.unit].kv_head, s, in, buf);
     }
   });
 }
