@@ -77,6 +77,11 @@ def model_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return (numel + rotary) * dtype.itemsize
 
 
+def _size(nbytes: int) -> str:
+    """1.5 MiB, 3.8 GiB: a one-block KV cache read "0.00 GiB"."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def check_fits_in_memory(config: ModelConfig, dtype: torch.dtype, available: int, path: str,
                          kv_bytes: int = 0, weight_forms: int = 1,
                          kept: tuple[int, int] = (0, 0)) -> None:
@@ -89,7 +94,7 @@ def check_fits_in_memory(config: ModelConfig, dtype: torch.dtype, available: int
     weights = ((model_bytes(config, dtype) - elements * dtype.itemsize) * weight_forms
                + int(file_bytes * 1.05))
     if weights + kv_bytes > available:
-        kv = f" and {kv_bytes / 2**30:.2f} GiB of KV cache at the least" if kv_bytes else ""
+        kv = f" and {_size(kv_bytes)} of KV cache at the least" if kv_bytes else ""
         forms = " (held twice: plain and oneDNN-packed)" if weight_forms > 1 else ""
         raise ModelLoadError(
             f"{path!r}: the model needs {weights / 2**30:.1f} GiB of weights{forms}{kv} "

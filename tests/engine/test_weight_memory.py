@@ -83,7 +83,7 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(monkeyp
         raise AssertionError("the model runner was built")
     monkeypatch.setattr(llm_engine, "ModelRunner", never)
     with pytest.raises(ModelLoadError,
-                       match=r"needs 0\.3 GiB of weights and 0\.00 GiB of KV cache at the "
+                       match=r"needs 0\.3 GiB of weights and 0\.4 MiB of KV cache at the "
                              r"least .*, 0\.1 GiB available"):
         LLM(dtype="bfloat16")
 
