@@ -125,6 +125,7 @@ class _StackArgs:
                               or self.dtype == torch.float32 for m in self.linears)
         self.k_caches = [a.k_cache for a in self.attns]
         self.v_caches = [a.v_cache for a in self.attns]
+        self.stack = ops.stack_layers(self.stack_layers)  # copied once, not each step
 
     def current(self) -> bool:
         """Nothing hooks a layer, and the caches, packed weights and experts are those
@@ -308,7 +309,7 @@ class CpuDecodeStack:
             prefix_blocks = prefix.blocks
             if isinstance(prefix.cache_index, slice):  # adjacent blocks: a view of the cache
                 prefix_first = prefix.cache_index.start
-        return ops.decode_layers(self.model.embed(input_ids), positions, args.stack_layers,
+        return ops.decode_layers(self.model.embed(input_ids), positions, args.stack,
                                  args.final_norm, ctx.slot_mapping, plan.tables, plan.q_starts,
                                  plan.q_lens, plan.k_lens, longest, first.num_heads,
                                  first.num_kv_heads, args.eps, probes.small_linear_rows(),

@@ -213,12 +213,21 @@ def stack_layer(**fields: object) -> object:
     return _filled(_ext.StackLayer(), fields)
 
 
-def decode_layers(x: Tensor, positions: Tensor, layers: list[object], final_norm: Tensor,
+def stack_layers(layers: list[object]) -> object:
+    """The layers' descriptions as decode_layers takes them, copied once (ops.h StackLayers):
+    a list is copied, every expert's description with it, on every call."""
+    return _ext.StackLayers(layers)
+
+
+def decode_layers(x: Tensor, positions: Tensor, layers: object, final_norm: Tensor,
                   slot_mapping: Tensor, block_tables: Tensor, q_starts: Tensor,
                   q_lens: Tensor, k_lens: Tensor, longest_context: int, num_heads: int,
                   num_kv_heads: int, eps: float, small_rows: int, amx_rows: int,
                   prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
-    """A bf16 decode step's decoder layers and final norm in one call (see ops.h)."""
+    """A bf16 decode step's decoder layers and final norm in one call (see ops.h); layers:
+    stack_layers' result, or a list of stack_layer descriptions."""
+    if isinstance(layers, list):
+        layers = stack_layers(layers)
     return _ext.decode_layers(x, positions, layers, final_norm, slot_mapping, block_tables,
                               q_starts, q_lens, k_lens, longest_context, num_heads,
                               num_kv_heads, eps, small_rows, amx_rows, prefix_blocks,

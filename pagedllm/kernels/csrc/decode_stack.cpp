@@ -173,12 +173,13 @@ at::Tensor gguf_parts_linear(const at::Tensor& x, const StackLinear& l) {
 }
 
 at::Tensor decode_layers(at::Tensor x, const at::Tensor& positions,
-                         const std::vector<StackLayer>& layers, const at::Tensor& final_norm,
+                         const StackLayers& stack, const at::Tensor& final_norm,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& q_starts, const at::Tensor& q_lens,
                          const at::Tensor& k_lens, int64_t longest_context, int64_t num_heads,
                          int64_t num_kv_heads, double eps, int64_t small_rows, int64_t amx_rows,
                          const c10::optional<at::Tensor>& prefix_blocks, int64_t prefix_first) {
+  const std::vector<StackLayer>& layers = stack.layers;
   TORCH_CHECK(!layers.empty(), "decode_layers takes at least one layer");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be bf16 or fp32 [T, hidden]");

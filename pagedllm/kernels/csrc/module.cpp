@@ -130,6 +130,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &pagedllm::moe_experts,
         "a mixture-of-experts block's routed experts in one call (same results as the "
         "per-expert forward)");
+  py::class_<pagedllm::StackLayers>(m, "StackLayers",
+                                    "a model's layer descriptions for decode_layers, copied once")
+      .def(py::init([](std::vector<pagedllm::StackLayer> layers) {
+        return pagedllm::StackLayers{std::move(layers)};
+      }))
+      .def("__len__", [](const pagedllm::StackLayers& s) { return s.layers.size(); });
   m.def("decode_layers", &pagedllm::decode_layers,
         "a decode step's decoder layers for bf16 rows in one call (same results as the "
         "per-op forward)");
