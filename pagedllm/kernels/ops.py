@@ -225,9 +225,7 @@ def decode_layers(x: Tensor, positions: Tensor, layers: object, final_norm: Tens
                   num_kv_heads: int, eps: float, small_rows: int, amx_rows: int,
                   prefix_blocks: Tensor | None, prefix_first: int) -> Tensor:
     """A bf16 decode step's decoder layers and final norm in one call (see ops.h); layers:
-    stack_layers' result, or a list of stack_layer descriptions."""
-    if isinstance(layers, list):
-        layers = stack_layers(layers)
+    stack_layers' result."""
     return _ext.decode_layers(x, positions, layers, final_norm, slot_mapping, block_tables,
                               q_starts, q_lens, k_lens, longest_context, num_heads,
                               num_kv_heads, eps, small_rows, amx_rows, prefix_blocks,

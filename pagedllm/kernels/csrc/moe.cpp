@@ -77,17 +77,16 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   }
   // Each chosen expert's MLP over its rows; y[e] its rows' outputs, in pair order.
   std::vector<int64_t> chosen;
+  std::vector<at::Tensor> rows(experts), y(experts);  // rows[e]: the tokens of e's pairs
   int64_t most = 0;
   for (int64_t e = 0; e < experts; ++e) {
-    if (pairs[e].empty()) continue;
+    const int64_t count = static_cast<int64_t>(pairs[e].size());
+    if (count == 0) continue;
     chosen.push_back(e);
-    most = std::max(most, static_cast<int64_t>(pairs[e].size()));
-  }
-  std::vector<at::Tensor> rows(experts), y(experts);
-  for (int64_t e : chosen) {
-    rows[e] = at::empty({static_cast<int64_t>(pairs[e].size())}, ids.options());
+    most = std::max(most, count);
+    rows[e] = at::empty({count}, ids.options());
     int64_t* r = rows[e].data_ptr<int64_t>();
-    for (size_t i = 0; i < pairs[e].size(); ++i) r[i] = pairs[e][i] / top_k;
+    for (int64_t i = 0; i < count; ++i) r[i] = pairs[e][i] / top_k;
   }
   auto run_expert = [&](int64_t e) {
     const at::Tensor h = silu_and_mul(expert_linear(x.index_select(0, rows[e]), gate_up[e], small_rows));

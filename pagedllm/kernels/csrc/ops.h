@@ -178,7 +178,6 @@ struct StackLayers {
   std::vector<StackLayer> layers;
 };
 
-
 // A decode step's decoder layers for bf16 or fp32 rows (decode_stack.cpp): the embeddings x
 // [T, hidden] in, the final norm's output out (final_norm is of the layers' kind); the same
 // kernels as the model's per-op forward on the same tensors, so the same results bit for
