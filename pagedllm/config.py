@@ -63,8 +63,10 @@ class EngineConfig:
         "kept quantized under float32 activations, as llama.cpp keeps an f16 cache), bfloat16 "
         "(under float32 activations on the CPU: half the KV memory and the bytes attention "
         "reads; K and V are rounded to bfloat16 once, as stored, in every path), float32, "
-        "float16 (each only where the activations have it)", default="auto",
-        choices=["auto", "bfloat16", "float32", "float16"])
+        "float16 (each only where the activations have it), int8 (CPU, float32 or bfloat16 "
+        "activations: each token's head vector as 8-bit values and one fp32 scale, about half "
+        "a bfloat16 cache's memory and bytes read; rounded once, as stored, in every path)",
+        default="auto", choices=["auto", "bfloat16", "float32", "float16", "int8"])
     enable_prefix_caching: bool = _opt("share KV blocks of identical prompt prefixes", default=True)
     preemption_mode: str = _opt(
         "what a preempted sequence's KV becomes: recompute (freed, prefilled again) or swap "
@@ -134,10 +136,21 @@ class EngineConfig:
 
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}; got "
-                             f"{self.kv_cache_dtype!r}")
-        if self.dtype != "auto" and self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} is not supported: for an "
+                             "8-bit KV cache use int8 (on the CPU: 8-bit values with a scale "
+                             "per token and head, as llama.cpp's q8_0)")
+        if self.kv_cache_dtype not in ("auto", "int8", *_DTYPES):
+            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}, int8; "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "int8":
+            if self.device == "cuda":
+                raise ValueError("kv_cache_dtype=int8 runs on the CPU only (its kernels are "
+                                 "the C++ CPU ones); on CUDA use auto")
+            if self.dtype not in ("auto", "float32", "bfloat16"):
+                raise ValueError(f"kv_cache_dtype=int8 takes float32 or bfloat16 activations, "
+                                 f"got dtype={self.dtype}")
+        elif self.dtype != "auto" and self.kv_cache_dtype != "auto":
             kv, act = _DTYPES[self.kv_cache_dtype], _DTYPES[self.dtype]
             if kv != act and not (kv == torch.bfloat16 and act == torch.float32
                                   and self.device in ("auto", "cpu")):
@@ -221,6 +234,8 @@ class EngineConfig:
         """What the KV cache holds: kv_cache_dtype, or the activations' dtype (auto)."""
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype
+        if self.kv_cache_dtype == "int8":
+            return torch.int8
         return _DTYPES[self.kv_cache_dtype]
 
     # ---- CLI ----------------------------------------------------------------------------

@@ -255,6 +255,29 @@ def assert_bf16_close(built: Built, fmt: str, prompts: list[list[int]]) -> None:
             f"{ref[i]} (top-5 {sorted(their_top5)})")
 
 
+def assert_int8_kv_close(built: Built, fmt: str, prompts: list[list[int]],
+                         reference: list[list[int]]) -> None:
+    """An int8 KV cache under fp32 activations against HF's fp32 greedy replies (reference),
+    by vLLM's closeness rule: at the first differing token each side's is in the other's
+    top-5. Its features (windows, soft-caps, q/k norms, experts) all read the int8 cache."""
+    llm = LLM(built.path(fmt), dtype="float32", kv_cache_dtype="int8",
+              kv_cache_memory_bytes=32 * 2**20, max_model_len=512, check_invariants=True)
+    assert llm.engine.model_runner.kv_cache.dtype == torch.int8
+    outs = llm.generate(prompts, greedy(logprobs=5), use_tqdm=False)
+    for ids, out, ref in zip(prompts, outs, reference):
+        ours = out.token_ids
+        i = first_difference(ours, ref)
+        if i is None:
+            continue
+        our_top5 = {t for t, _ in out.outputs[0].logprobs[i].top}
+        with torch.no_grad():
+            logits = built.hf(torch.tensor([ids + ref[:i]])).logits[0, -1]
+        their_top5 = set(logits.topk(5).indices.tolist())
+        assert ref[i] in our_top5 and ours[i] in their_top5, (
+            f"{built.family.name} prompt {ids[:6]}...: token {i} ours {ours[i]} (top-5 "
+            f"{sorted(our_top5)}) vs HF {ref[i]} (top-5 {sorted(their_top5)})")
+
+
 def max_logit_error(llm: LLM, model: torch.nn.Module, prompts: list[list[int]]) -> float:
     err = 0.0
     for ids in prompts:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention import torch_native
+from pagedllm.attention import kv_quant, torch_native
 from pagedllm.attention.context import Context
 from pagedllm.kernels import ops, probes
 
@@ -161,7 +161,8 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         keys, values = k_cache[blocks], v_cache[blocks]
     else:  # index_select copies whole blocks ~5x faster than advanced indexing (measured)
         keys, values = (c.index_select(0, blocks) for c in (k_cache, v_cache))
-    keys, values = keys.to(q.dtype), values.to(q.dtype)  # (a bf16 cache under fp32 rows)
+    # (a bf16 cache under fp32 rows, an int8 cache)
+    keys, values = kv_quant.dequantize(keys, q.dtype), kv_quant.dequantize(values, q.dtype)
     if prompt_kernel(q):  # pagedllm's kernel, without a mask
         out = torch.empty(q.shape, dtype=q.dtype)
         lse = ops.attention_over_keys(out, q, keys.flatten(0, 1), values.flatten(0, 1), scale,
@@ -284,14 +285,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             # from the first query's window on (positions are relative: the queries are
             # the last len_q of the keys either way)
             first = 0 if window is None else max(0, len_k - len_q - window + 1)
-            keys, values = (gather_window(c, ctx.block_tables[i], first, len_k)
+            keys, values = (kv_quant.dequantize(gather_window(c, ctx.block_tables[i], first,
+                                                              len_k), q.dtype)
                             for c in (k_cache, v_cache))
             ops.attention_over_keys(out[start:end], q[start:end], keys, values, scale, True,
                                     window or 0, softcap or 0.0)
         elif window is not None:  # torch's, over the keys from the first query's window on
             assert ctx.block_tables is not None
             first = max(0, len_k - len_q - window + 1)
-            keys, values = (gather_window(c, ctx.block_tables[i], first, len_k).to(q.dtype)
+            keys, values = (kv_quant.dequantize(gather_window(c, ctx.block_tables[i], first,
+                                                              len_k), q.dtype)
                             for c in (k_cache, v_cache))
             mask = torch_native.causal_mask(len_q, len_k - first, window)
             out[start:end] = torch_native._attend(q[start:end], keys, values, scale, mask, softcap)

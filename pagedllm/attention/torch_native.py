@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch: the portable CPU backend and the reference for others.
 
 Shapes: q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
-k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] (int8 caches: head_dim + 4,
+each vector's values and scale: attention/kv_quant.py).
 
 A layer may have a window (a query at position p sees keys p - window + 1 .. p) and a
 soft-cap (each score s becomes cap * tanh(s / cap) before the softmax), as Mistral's and
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.context import Context
 
 # What this backend's attention() takes besides the plain causal attention.
@@ -22,9 +24,10 @@ FEATURES = frozenset({"sliding_window", "logit_softcap"})
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each new token's K and V into its slot (block_id * block_size + offset)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    num_kv_heads, width = k_cache.shape[-2:]
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        new = kv_quant.quantize(new) if kv_quant.is_quantized(cache) else new.to(cache.dtype)
+        cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, new)
 
 
 def as_cached(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
@@ -35,6 +38,9 @@ def as_cached(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
     prefix. Unchanged where the cache has their dtype (or none is bound)."""
     if not cache.numel() or cache.dtype == k.dtype:
         return k, v
+    if kv_quant.is_quantized(cache):
+        return (kv_quant.dequantize(kv_quant.quantize(k), k.dtype),
+                kv_quant.dequantize(kv_quant.quantize(v), v.dtype))
     return k.to(cache.dtype).to(k.dtype), v.to(cache.dtype).to(v.dtype)
 
 
@@ -95,8 +101,9 @@ def cached_prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             window: int | None = None, softcap: float | None = None
                             ) -> torch.Tensor:
     """One sequence's len_q new tokens (already stored) over all its len_k cached tokens."""
-    # (a bf16 cache under fp32 rows widened)
-    keys, values = (gather_kv(c, block_table, len_k).to(q.dtype) for c in (k_cache, v_cache))
+    # (a bf16 cache under fp32 rows widened, an int8 one dequantized)
+    keys, values = (kv_quant.dequantize(gather_kv(c, block_table, len_k), q.dtype)
+                    for c in (k_cache, v_cache))
     return _attend(q, keys, values, scale, causal_mask(q.shape[0], len_k, window), softcap)
 
 
@@ -131,8 +138,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert ctx.block_tables is not None and ctx.context_lens is not None
     block_size = k_cache.shape[1]
     tables = ctx.block_tables[:len(q)].clamp_min(0)              # -1 padding -> any valid block
-    keys = k_cache[tables].flatten(1, 2).to(q.dtype)             # [B, max_len, Hkv, D]
-    values = v_cache[tables].flatten(1, 2).to(q.dtype)
+    keys = kv_quant.dequantize(k_cache[tables].flatten(1, 2), q.dtype)  # [B, max_len, Hkv, D]
+    values = kv_quant.dequantize(v_cache[tables].flatten(1, 2), q.dtype)
     max_len = tables.shape[1] * block_size
     lens = ctx.context_lens[:len(q), None]
     valid = torch.arange(max_len) < lens  # [B, max_len]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm import memory
+from pagedllm.attention import kv_quant
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import all_reduce_min
 from pagedllm.engine.swap import allocate_swap_tensor
@@ -50,14 +51,20 @@ class KVCacheShape:
                             config.kv_cache_torch_dtype)
 
     @property
+    def vector_elements(self) -> int:
+        """Elements of one token's head vector: head_dim, or for an int8 cache head_dim
+        values and their fp32 scale (attention/kv_quant.py)."""
+        return self.head_dim + (kv_quant.SCALE_BYTES if self.dtype == torch.int8 else 0)
+
+    @property
     def block_bytes(self) -> int:
-        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize)
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads
+                * self.vector_elements * self.dtype.itemsize)
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """[2 (K, V), layers, blocks, block_size, kv_heads, head_dim]."""
+        """[2 (K, V), layers, blocks, block_size, kv_heads, head_dim (+ 4 for int8)]."""
         return (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
-                self.head_dim)
+                self.vector_elements)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from family_harness import (Family, SETTING_CASES, assert_beam_search_equals_hf, assert_bf16_close,
+                            assert_int8_kv_close,
                             assert_greedy_matches_hf, assert_logits_match_hf, assert_tp2_equals_hf,
                             build, greedy, hf_greedy, models_fixture, prompt_ids)
 from pagedllm import LLM
@@ -60,6 +61,13 @@ def test_logits_match_hf(models, family, fmt):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_hf(models, family, fmt, setting):
     assert_greedy_matches_hf(models(family), fmt, setting)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_int8_kv_cache_close_to_hf(models, family):
+    """kv_cache_dtype="int8" under fp32 activations: vLLM's closeness rule against HF."""
+    built, prompts, reference = models(family)
+    assert_int8_kv_close(built, "hf", prompts, reference)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from family_harness import (Family, SETTING_CASES, assert_beam_search_equals_hf, assert_bf16_close,
+                            assert_int8_kv_close,
                             assert_greedy_matches_hf, assert_logits_match_hf, greedy,
                             max_logit_error, models_fixture, prompt_ids)
 from pagedllm import LLM
@@ -333,6 +334,13 @@ def test_logits_match_hf(models, family, fmt):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_matches_hf(models, family, fmt, setting):
     assert_greedy_matches_hf(models(family), fmt, setting)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_int8_kv_cache_close_to_hf(models, family):
+    """kv_cache_dtype="int8" under fp32 activations: vLLM's closeness rule against HF."""
+    built, prompts, reference = models(family)
+    assert_int8_kv_close(built, "hf", prompts, reference)
 
 
 @pytest.mark.slow

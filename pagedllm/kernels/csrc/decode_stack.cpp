@@ -81,17 +81,23 @@ void rotate(at::Tensor x, const StackLayer& l, const Step& s) {
                    long_rope ? *l.long_sin : l.sin);
 }
 
-// The cascade's shared prefix of a cache, [S, Hkv, D].
-at::Tensor prefix_of(const at::Tensor& cache, const Step& s) {
+// The cascade's shared prefix of a cache, [S, Hkv, D], in the queries' dtype (an int8
+// cache's values times their scales, as attention/kv_quant.py's dequantize).
+at::Tensor prefix_of(const at::Tensor& cache, const Step& s, at::ScalarType dtype) {
   const at::Tensor blocks = s.prefix_first >= 0
                                 ? cache.narrow(0, s.prefix_first, s.prefix_blocks->numel())
                                 : cache.index_select(0, *s.prefix_blocks);
-  return blocks.flatten(0, 1);
+  if (cache.scalar_type() != at::kChar) return blocks.flatten(0, 1);
+  const int64_t d = cache.size(3) - 4;
+  const at::Tensor values = blocks.narrow(3, 0, d).to(at::kFloat);
+  const at::Tensor scales = blocks.narrow(3, d, 4).contiguous().view(at::kFloat);
+  return (values * scales).to(dtype).flatten(0, 1);
 }
 
 // The attention block's output o(attention(...)) for the normed rows h.
 at::Tensor attention_block(const at::Tensor& h, const StackLayer& l, const Step& s) {
-  const int64_t tokens = h.size(0), head_dim = l.k_cache.size(3);
+  const int64_t tokens = h.size(0);
+  const int64_t head_dim = l.k_cache.size(3) - (l.k_cache.scalar_type() == at::kChar ? 4 : 0);
   const int64_t q_size = s.num_heads * head_dim, kv_size = s.num_kv_heads * head_dim;
   const at::Tensor qkv = linear(h, l.qkv, s.small_rows, s.amx_rows);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
@@ -117,8 +123,8 @@ at::Tensor attention_block(const at::Tensor& h, const StackLayer& l, const Step&
     TORCH_CHECK(window == 0 && l.softcap == 0.0,
                 "decode_layers: a cascade's layers take no window or soft-cap");
     prefix_out = at::empty({tokens, s.num_heads, head_dim}, h.options());
-    prefix_lse = attention_over_keys(*prefix_out, q, prefix_of(l.k_cache, s),
-                                     prefix_of(l.v_cache, s), l.scale, false);
+    prefix_lse = attention_over_keys(*prefix_out, q, prefix_of(l.k_cache, s, q.scalar_type()),
+                                     prefix_of(l.v_cache, s, q.scalar_type()), l.scale, false);
   }
   paged_attention(out, q, l.k_cache, l.v_cache, s.block_tables, s.q_starts, s.q_lens, s.k_lens,
                   l.scale, prefix_out, prefix_lse, window, l.softcap);

@@ -21,6 +21,12 @@
 // the block manager may have freed: table entry -1) are never touched. A soft-cap c (> 0)
 // maps each scaled score s to c * tanh(s / c) before the softmax. With neither, the code
 // and its results are those without the feature.
+//
+// An int8 cache (kv_cache_dtype="int8") holds each token's head vector as D int8 values
+// followed by the fp32 scale they were divided by (4 bytes: D + 4 a vector; store_kv
+// quantizes, attention/kv_quant.py has the rule): a key's score is its scale times the dot
+// product of its values with the query, a value's weight in the output the probability
+// times its scale. It reads half a bf16 cache's bytes.
 #include "amx.h"
 #include "ops.h"
 #include "simd.h"
@@ -50,6 +56,25 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// A cached head vector's scale: for an int8 cache the fp32 after its d values, else 1.
+template <typename C>
+inline float vector_scale(const C* p, int64_t d) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float scale;
+    std::memcpy(&scale, p + d, sizeof(scale));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
+// Bytes of one cached head vector of d elements of type C (an int8 one with its scale).
+template <typename C>
+constexpr int64_t vector_bytes(int64_t d) {
+  return std::is_same_v<C, int8_t> ? d + 4 : d * static_cast<int64_t>(sizeof(C));
+}
 
 template <typename T, int64_t D>
 inline float dot(const T* __restrict k, const float* __restrict q, int64_t d) {
@@ -79,6 +104,7 @@ struct Shapes {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
   int64_t q_stride_t, q_stride_h;              // q: [T, H, D]
   int64_t c_stride_b, c_stride_s, c_stride_h;  // caches: [num_blocks, block_size, Hkv, D]
+  int64_t vec_bytes;                           // of one cached head vector (vector_bytes)
 };
 
 // The call's tensors. With a shared prefix (cascade attention), prefix_out/prefix_lse hold
@@ -215,7 +241,7 @@ inline void for_each_block(const T* cache, const int64_t* table, int64_t begin, 
 template <typename T, typename Fn>
 inline void for_each_key(const T* cache, const int64_t* table, int64_t begin, int64_t num_keys,
                          int64_t ahead_end, int64_t kv_head, const Shapes& s, Fn&& fn) {
-  const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
+  const int64_t bytes = s.vec_bytes;
   for_each_block(cache, table, begin, num_keys, ahead_end, kv_head, s,
                  [&](int64_t j, int64_t n, const T* base, const T* ahead) {
                    for (int64_t o = 0; o < n; ++o) {
@@ -263,7 +289,12 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
     const int64_t span = num_keys - begin;
     for_each_key(in.k_cache, table, begin, num_keys, item_end, kv_head, s, [&](int64_t j, const C* kj) {
       const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
-      for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d);
+      if constexpr (std::is_same_v<C, int8_t>) {
+        const float ks = vector_scale(kj, d);
+        for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d) * ks;
+      } else {
+        for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d);
+      }
     });
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t last = first_unmasked + r / gn + 1;  // keys [.., last) of the row
@@ -286,7 +317,8 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
     std::fill(acc, acc + rows * d, 0.f);
     for_each_key(in.v_cache, table, begin, num_keys, item_end, kv_head, s, [&](int64_t j, const C* vj) {
       const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
-      for (int64_t r = first_r; r < rows; ++r) axpy<C, D>(scores[r * span + j - begin], vj, acc + r * d, d);
+      const float vs = vector_scale(vj, d);
+      for (int64_t r = first_r; r < rows; ++r) axpy<C, D>(scores[r * span + j - begin] * vs, vj, acc + r * d, d);
     });
     for (int64_t r = 0; r < rows; ++r)
       run.segment(r, seg, w, acc + r * d, row_max[r], row_sum[r], first_token + r / gn,
@@ -519,6 +551,61 @@ void weigh_block_bf16(const float* probs, int64_t stride, float* acc_eo, const B
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_eo + r * NV * 16 + i * 16, acc[r][i]);
 }
 
+// ---- int8 caches: 16 values widened to fp32 at a time, the scale applied once a key ------
+// Scores of NR query rows (qf, fp32, pre-scaled), 8 keys at a time (past the block's last
+// key: its first again, not stored): each key's dot products, summed by one transposing
+// reduction for the 8 keys, times the 8 keys' scales.
+template <int NV, int NR>
+void score_block_i8(const float* qf, float* scores, int64_t stride, const int8_t* base,
+                    const int8_t* ahead, int64_t n, const Shapes& s) {
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t o = 0; o < n; o += 8) {
+    const int64_t m = std::min<int64_t>(8, n - o);
+    __m512 acc[NR][8];
+    float scale[8];
+    for (int i = 0; i < 8; ++i) {
+      const int8_t* key = base + (o + (i < m ? i : 0)) * s.c_stride_s;
+      if (ahead != nullptr && i < m) prefetch_vector(ahead + (o + i) * s.c_stride_s, s.vec_bytes);
+      __m512 kv[NV];
+      for (int p = 0; p < NV; ++p) kv[p] = load16(key + 16 * p);
+      scale[i] = vector_scale(key, NV * 16);
+      for (int r = 0; r < NR; ++r) {
+        const float* q = qf + r * NV * 16;
+        __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q));
+        for (int p = 1; p < NV; ++p) a = _mm512_fmadd_ps(kv[p], _mm512_loadu_ps(q + 16 * p), a);
+        acc[r][i] = a;
+      }
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(0xFF, scale);
+    for (int r = 0; r < NR; ++r)
+      _mm512_mask_storeu_ps(scores + r * stride + o, mask,
+                            _mm512_mul_ps(_mm512_permutexvar_ps(order, sum8(acc[r])), sc));
+  }
+}
+
+// acc[r] += sum_o p[r][o] scale_o v_o for NR rows (acc: NR rows of NV * 16 floats).
+template <int NV, int NR>
+void weigh_block_i8(const float* probs, int64_t stride, float* acc_io, const int8_t* base,
+                    const int8_t* ahead, int64_t n, const Shapes& s) {
+  __m512 acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_loadu_ps(acc_io + r * NV * 16 + i * 16);
+  for (int64_t o = 0; o < n; ++o) {
+    const int8_t* vj = base + o * s.c_stride_s;
+    if (ahead != nullptr) prefetch_vector(ahead + o * s.c_stride_s, s.vec_bytes);
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16(vj + i * 16);
+    const float vs = vector_scale(vj, NV * 16);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * stride + o] * vs);
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_fmadd_ps(p, vv[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc_io + r * NV * 16 + i * 16, acc[r][i]);
+}
+
 // In place, for n floats (a multiple of 32): each 32 from its even then odd elements back
 // to their order.
 inline void interleave_even_odd(float* x, int64_t n) {
@@ -542,11 +629,13 @@ void by_rows(int64_t nr, Args... args) {
     default: Kernel<T, NV, 4>::run(args...); break;
   }
 }
-// bf16 takes its own kernels (its queries split in even and odd elements for the scores).
-template <typename T, int NV, int NR> struct Score {
+// By the cache's type: bf16 takes its own kernels (its queries split in even and odd
+// elements for the scores), int8 its own.
+template <typename C, int NV, int NR> struct Score {
   template <typename... A> static void run(A... a) {
-    if constexpr (std::is_same_v<T, BF16>) score_block_bf16<NV, NR>(a...);
-    else score_block<T, NV, NR>(a...);
+    if constexpr (std::is_same_v<C, BF16>) score_block_bf16<NV, NR>(a...);
+    else if constexpr (std::is_same_v<C, int8_t>) score_block_i8<NV, NR>(a...);
+    else score_block<C, NV, NR>(a...);
   }
 };
 #if defined(PAGEDLLM_BF16_DOT)
@@ -554,21 +643,24 @@ template <typename T, int NV, int NR> struct ScoreDot {
   template <typename... A> static void run(A... a) { score_block_dot<NV, NR>(a...); }
 };
 #endif
-template <typename T, int NV, int NR> struct Weigh {
+template <typename C, int NV, int NR> struct Weigh {
   template <typename... A> static void run(A... a) {
-    if constexpr (std::is_same_v<T, BF16>) weigh_block_bf16<NV, NR>(a...);
-    else weigh_block<T, NV, NR>(a...);
+    if constexpr (std::is_same_v<C, BF16>) weigh_block_bf16<NV, NR>(a...);
+    else if constexpr (std::is_same_v<C, int8_t>) weigh_block_i8<NV, NR>(a...);
+    else weigh_block<C, NV, NR>(a...);
   }
 };
 
 // Kv heads [h_begin, h_end) of an item: two passes over the row's blocks, keys then values,
 // each block's vectors of every head of the item used while it is in cache (and the next
 // blocks' requested meanwhile, so memory streams during all the work, not one head's).
-template <typename T, int NV>
+// Queries of type T over a cache of type C: the same type, or an int8 cache.
+template <typename T, typename C, int NV>
 void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const Shapes& s,
-                      const Inputs<T>& in, std::vector<float>& buf) {
+                      const Inputs<T, C>& in, std::vector<float>& buf) {
   constexpr int64_t d = NV * 16, kRowBlock = 4;
-  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  constexpr bool kBf16 = std::is_same_v<C, c10::BFloat16>;
+  static_assert(std::is_same_v<T, C> || std::is_same_v<C, int8_t>);
   const int64_t group = s.num_heads / s.num_kv_heads, gn = w.g_end - w.g_begin;
   const int64_t per_head = (w.q_end - w.q_begin) * gn, rows = (h_end - h_begin) * per_head;
   const int64_t past = in.k_lens[w.row] - in.q_lens[w.row];
@@ -633,7 +725,7 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
     // head whose last row sees any of the block's keys: the first n of them it sees (the
     // surplus of the other rows is zeroed by softmax_row). The last block of a head's rows
     // (which sees the most keys) prefetches the head's vectors of the block ahead.
-    auto for_each_row_block = [&](int64_t j, int64_t n, const T* base, const T* ahead, auto&& fn) {
+    auto for_each_row_block = [&](int64_t j, int64_t n, const C* base, const C* ahead, auto&& fn) {
       for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
         const int64_t hi = r0 / per_head;
         nr = std::min(kRowBlock, (hi + 1) * per_head - r0);
@@ -643,20 +735,20 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
       }
     };
     for_each_block(in.k_cache, table, begin, num_keys, item_end, h_begin, s,
-                   [&](int64_t j, int64_t n, const T* base, const T* ahead) {
+                   [&](int64_t j, int64_t n, const C* base, const C* ahead) {
                      for_each_row_block(j, n, base, ahead,
-                                        [&](int64_t r0, int64_t nr, int64_t m, const T* kb, const T* ka) {
+                                        [&](int64_t r0, int64_t nr, int64_t m, const C* kb, const C* ka) {
 #if defined(PAGEDLLM_BF16_DOT)
                                           if constexpr (kBf16) {
                                             if (q_dot != nullptr) {
-                                              by_rows<T, NV, ScoreDot>(nr, static_cast<const BF16*>(q_dot + r0 * d),
+                                              by_rows<C, NV, ScoreDot>(nr, static_cast<const BF16*>(q_dot + r0 * d),
                                                                        in.scale, scores + r0 * span + j - begin,
                                                                        span, kb, ka, m, s);
                                               return;
                                             }
                                           }
 #endif
-                                          by_rows<T, NV, Score>(nr, q_score + r0 * d,
+                                          by_rows<C, NV, Score>(nr, q_score + r0 * d,
                                                                 scores + r0 * span + j - begin, span,
                                                                 kb, ka, m, s);
                                         });
@@ -665,11 +757,11 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
       // The value pass's first block (no block before it prefetches it), requested while the
       // softmax computes: 3-10% faster from memory in one-process A/B runs on the Zen 5.
       const int64_t b0 = begin / s.block_size, o0 = begin - b0 * s.block_size;
-      const T* first = in.v_cache + table[b0] * s.c_stride_b + o0 * s.c_stride_s;
+      const C* first = in.v_cache + table[b0] * s.c_stride_b + o0 * s.c_stride_s;
       const int64_t n0 = std::min(s.block_size - o0, span);
       for (int64_t o = 0; o < n0; ++o)
         for (int64_t h = h_begin; h < h_end; ++h)
-          prefetch_vector(first + o * s.c_stride_s + h * s.c_stride_h, d * static_cast<int64_t>(sizeof(T)));
+          prefetch_vector(first + o * s.c_stride_s + h * s.c_stride_h, s.vec_bytes);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::max<int64_t>(0, keys_of(r) - begin);
@@ -683,10 +775,10 @@ void attend_item_simd(const WorkItem& w, int64_t h_begin, int64_t h_end, const S
     }
     std::fill(acc, acc + rows * d, 0.f);
     for_each_block(in.v_cache, table, begin, num_keys, item_end, h_begin, s,
-                   [&](int64_t j, int64_t n, const T* base, const T* ahead) {
+                   [&](int64_t j, int64_t n, const C* base, const C* ahead) {
                      for_each_row_block(j, n, base, ahead,
-                                        [&](int64_t r0, int64_t nr, int64_t m, const T* vb, const T* va) {
-                                          by_rows<T, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * span + j - begin),
+                                        [&](int64_t r0, int64_t nr, int64_t m, const C* vb, const C* va) {
+                                          by_rows<C, NV, Weigh>(nr, static_cast<const float*>(scores + r0 * span + j - begin),
                                                                 span, acc + r0 * d, vb, va, m, s);
                                         });
                    });
@@ -705,14 +797,15 @@ using ItemFn = void (*)(const WorkItem&, int64_t, int64_t, const Shapes&, const 
                         std::vector<float>&);
 
 // The item function for queries of type T over caches of type C: the AVX-512 kernels where
-// both are one type, else the compiler-vectorised one (fp32 queries over a bf16 cache).
+// both are one type or the cache is int8, else the compiler-vectorised one (fp32 queries
+// over a bf16 cache).
 template <typename T, typename C>
 ItemFn<T, C> pick_item_fn(int64_t head_dim) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, C>) {
-    if (head_dim == 64) return attend_item_simd<T, 4>;
-    if (head_dim == 128) return attend_item_simd<T, 8>;
-    if (head_dim == 256) return attend_item_simd<T, 16>;
+  if constexpr (std::is_same_v<T, C> || std::is_same_v<C, int8_t>) {
+    if (head_dim == 64) return attend_item_simd<T, C, 4>;
+    if (head_dim == 128) return attend_item_simd<T, C, 8>;
+    if (head_dim == 256) return attend_item_simd<T, C, 16>;
   }
 #endif
   return head_dim == 64 ? attend_item<T, 64, C> : head_dim == 128 ? attend_item<T, 128, C>
@@ -745,7 +838,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
          const at::Tensor& k_lens, float scale, const c10::optional<at::Tensor>& prefix_out,
          const c10::optional<at::Tensor>& prefix_lse, int64_t window, float softcap) {
   const Shapes s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                 vector_bytes<C>(q.size(2))};
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   const int64_t* kl = k_lens.data_ptr<int64_t>();
   Inputs<T, C> in{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
@@ -933,13 +1027,15 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
               "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1,
               "the head dimension of q, out and the caches must be contiguous");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "head_dim must match and num_heads be a multiple of num_kv_heads");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.size(2) + (int8 ? 4 : 0) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match (an int8 cache's vectors: head_dim + 4 bytes) and num_heads be a "
+              "multiple of num_kv_heads");
   TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (q.scalar_type() == k_cache.scalar_type() ||
+                  (q.scalar_type() == k_cache.scalar_type() || int8 ||
                    (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "q, out and the caches must share a dtype (or q and out float32, the caches bfloat16), got q ",
-              q.scalar_type(), ", caches ", k_cache.scalar_type());
+              "q, out and the caches must share a dtype (or q and out float32, the caches bfloat16; "
+              "or the caches int8), got q ", q.scalar_type(), ", caches ", k_cache.scalar_type());
   for (const at::Tensor* t : {&block_tables, &q_starts, &q_lens, &k_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors must be int64");
   TORCH_CHECK(q_starts.size(0) == q_lens.size(0) && k_lens.size(0) == q_lens.size(0) &&
@@ -957,6 +1053,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                 "prefix_lse must be float32 [T, H] with a contiguous H");
   }
   const float sc = static_cast<float>(scale);
+  if (int8) {
+    switch (q.scalar_type()) {
+      case at::kFloat: run<float, int8_t>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse, window, static_cast<float>(softcap)); break;
+      case at::kBFloat16: run<c10::BFloat16, int8_t>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc, prefix_out, prefix_lse, window, static_cast<float>(softcap)); break;
+      default: TORCH_CHECK(false, "paged_attention over an int8 cache takes float32 or bfloat16 queries, got ", q.scalar_type());
+    }
+    return;
+  }
   if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {
     run<float, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, k_lens, sc,
                               prefix_out, prefix_lse, window, static_cast<float>(softcap));
@@ -971,18 +1075,37 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 }
 
 
+// An int8 cache's head vector from d values x: each x / scale rounded to nearest even, the
+// scale max |x| / 127 (0 for a vector of zeros: all its values 0) after them. The same rule
+// as attention/kv_quant.py's quantize.
+template <typename T>
+void quantize_vector(const T* x, int64_t d, char* dst) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(x[i])));
+  const float scale = amax / 127.f;
+  int8_t* values = reinterpret_cast<int8_t*>(dst);
+  for (int64_t i = 0; i < d; ++i) {
+    const float r = scale > 0.f ? std::nearbyint(to_float(x[i]) / scale) : 0.f;
+    values[i] = static_cast<int8_t>(std::clamp(r, -127.f, 127.f));
+  }
+  std::memcpy(dst + d, &scale, sizeof(scale));
+}
+
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be [T, Hkv, D] with a contiguous D");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.size(2) == k.size(1) &&
-                  k_cache.size(3) == k.size(2),
-              "caches must be contiguous [num_blocks, block_size, Hkv, D] matching k");
+                  k_cache.size(3) == k.size(2) + (int8 ? 4 : 0),
+              "caches must be contiguous [num_blocks, block_size, Hkv, D] matching k (int8: D + 4)");
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   (k.scalar_type() == k_cache.scalar_type() ||
-                   (k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
-              "k, v and the caches must share a dtype (or k and v float32, the caches bfloat16), got k ",
+                   (k.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) ||
+                   (int8 && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16))),
+              "k, v and the caches must share a dtype (or k and v float32, the caches bfloat16; or "
+              "k and v float32 or bfloat16, the caches int8), got k ",
               k.scalar_type(), ", caches ", k_cache.scalar_type());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == k.size(0),
@@ -994,13 +1117,18 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
   // fp32 rows into a bf16 cache are rounded to nearest even (as torch rounds); else copied
   const bool narrow = k.scalar_type() != k_cache.scalar_type();
-  const int64_t es = k.element_size(), ces = k_cache.element_size();
+  const int64_t es = k.element_size(), vec = k_cache.size(3) * k_cache.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   // one head vector from src to dst
   auto store = [&](char* dst, const char* src) {
+    if (int8) {
+      if (k.scalar_type() == at::kFloat) quantize_vector(reinterpret_cast<const float*>(src), d, dst);
+      else quantize_vector(reinterpret_cast<const c10::BFloat16*>(src), d, dst);
+      return;
+    }
     if (!narrow) {
       std::memcpy(dst, src, d * es);
       return;
@@ -1013,7 +1141,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;  // -1: not stored
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = (slots[t] * heads + h) * d * ces;
+        const int64_t dst = (slots[t] * heads + h) * vec;
         store(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * es);
         store(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * es);
       }

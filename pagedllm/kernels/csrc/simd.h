@@ -102,6 +102,9 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
 #if defined(__AVX512BF16__)
