@@ -24,9 +24,9 @@ __all__ = ["LlamaBenchRunner", "LlamaCppRunner", "gguf_for_dtype"]
 
 # llama.cpp's KV cache takes the element size of pagedllm's (EngineConfig's resolved
 # kv_cache_dtype: bf16 for a GGUF kept quantized under fp32 activations): f32, or f16 (its
-# default and best-tuned type) for a 16-bit cache. llama-bench parses no f32 cache type (its
-# ggml_type_from_name): f16 there.
-_KV_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16"}
+# default and best-tuned type) for a 16-bit cache, q8_0 (8-bit values, a scale per 32) for
+# an int8 one. llama-bench parses no f32 cache type (its ggml_type_from_name): f16 there.
+_KV_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int8": "q8_0"}
 _BENCH_KV_TYPES = {**_KV_TYPES, "float32": "f16"}
 
 

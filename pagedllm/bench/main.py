@@ -416,13 +416,13 @@ class Bench:
 
     def _run_llamacpp(self, dtype: str) -> None:
         """llama.cpp's server with its prompt cache on; W3 again with it off."""
-        from pagedllm.bench.llamacpp_runner import LlamaCppRunner, gguf_for_dtype
-        gguf = self.args.llama_gguf or gguf_for_dtype(self.model_path, dtype)
+        from pagedllm.bench.llamacpp_runner import LlamaCppRunner
+        gguf = self._llama_gguf(dtype)
         ctx = max(w.max_seq_len for w in self.workloads)
         for on in ([True, False] if self._has("prefix") else [True]):
             self._run_peer(dtype, lambda: LlamaCppRunner(
                 self.args.llama_server, gguf, dtype, self.args.threads, self.args.llama_parallel,
-                ctx, cache_prompt=on, user_gguf=self.args.llama_gguf is not None,
+                ctx, cache_prompt=on, user_gguf=gguf in (self.args.llama_gguf, self.model_path),
                 kv_dtype=self._kv_dtype(dtype)),
                 workloads=None if on else self._only("prefix"),
                 prefix_label=f"prompt cache {'on' if on else 'off'}")
@@ -433,11 +433,11 @@ class Bench:
                        workloads=self._only("latency"))
 
     def _llama_bench_runner(self, dtype: str) -> Runner:
-        from pagedllm.bench.llamacpp_runner import LlamaBenchRunner, gguf_for_dtype
-        gguf = self.args.llama_gguf or gguf_for_dtype(self.model_path, dtype)
+        from pagedllm.bench.llamacpp_runner import LlamaBenchRunner
+        gguf = self._llama_gguf(dtype)
         return LlamaBenchRunner(
             default_llama_bench(self.args.llama_server), gguf, dtype, self.args.threads,
-            user_gguf=self.args.llama_gguf is not None, kv_dtype=self._kv_dtype(dtype))
+            user_gguf=gguf in (self.args.llama_gguf, self.model_path), kv_dtype=self._kv_dtype(dtype))
 
     def _latency_in_rounds(self, dtype: str, w: wl.Workload, runner: Runner) -> list[BenchResult]:
         """--latency-rounds: the latency request on pagedllm (runner, loaded) and llama-bench
@@ -465,6 +465,20 @@ class Bench:
                           f"{mine.decode_tok_s:.1f} / {peers.decode_tok_s:.1f}")
         peer.close()
         return [mine, peers]
+
+    def _llama_gguf(self, dtype: str) -> str:
+        """The file llama.cpp runs at dtype: --llama-gguf; else the model's own GGUF where
+        pagedllm kept its weights quantized (as it did at dtype, or as --dtype auto does),
+        the same weights in the same file; else the model converted to dtype (cached)."""
+        if self.args.llama_gguf:
+            return self.args.llama_gguf
+        if self.model_path.endswith(".gguf"):
+            ran = [r.settings.get("quantization") for r in self.results
+                   if r.engine == "pagedllm" and r.dtype == dtype]
+            if "gguf" in ran or (not ran and engine_dtype(dtype, self.args.dtype,
+                                                          self.device) == "auto"):
+                return self.model_path
+        return gguf_for_dtype(self.model_path, dtype)
 
     def _kv_dtype(self, dtype: str) -> str:
         """The KV cache dtype pagedllm ran with at dtype (its engine's resolved setting), for

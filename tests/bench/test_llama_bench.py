@@ -78,8 +78,37 @@ def test_the_cache_type_follows_pagedllms_kv_cache(fake_bench):
         assert runner.settings()["kv_cache_type"] == flag
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert {dict(zip(c[::2], c[1::2]))["-ctk"] for c in calls} == {"f16"}
-    with pytest.raises(ValueError, match="KV cache 'int8'"):
-        LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1, kv_dtype="int8")
+    # an int8 cache: llama.cpp's 8-bit one
+    runner = LlamaBenchRunner(str(binary), "m.gguf", "bfloat16", threads=1, kv_dtype="int8")
+    assert runner.settings()["kv_cache_type"] == "q8_0"
+    with pytest.raises(ValueError, match="KV cache 'int4'"):
+        LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1, kv_dtype="int4")
+
+
+def test_llama_cpp_gets_the_same_gguf_when_pagedllm_keeps_it_quantized(fake_bench, tmp_path):
+    """Without --llama-gguf, a GGUF model whose weights pagedllm keeps quantized goes to
+    llama.cpp as it is (the same weights; converting a 30B file to BF16 would write 61 GB),
+    its rows labelled with the file; a dequantized run's peer gets the converted file."""
+    binary, log = fake_bench
+    server = binary.parent / "llama-server"
+    server.chmod(server.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "lat.json"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "latency",
+           "--compare", "llamabench", "--llama-server", str(server), "--threads", "1",
+           "--input-len", "40", "--output-len", "4", "--latency-iters", "1", "--quick-machine",
+           "--kv-cache-memory-bytes", str(64 * 2**20), "--output-json", str(out)]
+    env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    ours, theirs = (next(x for x in doc["results"] if x["engine"].startswith(e))
+                    for e in ("pagedllm", "llama-bench"))
+    files = {c[c.index("-m") + 1] for c in map(json.loads, log.read_text().splitlines())}
+    if ours["settings"]["quantization"] == "gguf":
+        assert files == {default_model_path()}
+        assert theirs["settings"]["label"] == os.path.basename(default_model_path())
+    else:  # (a CPU without the GGUF kernels dequantizes: llama.cpp gets that precision)
+        assert len(files) == 1 and files.pop().endswith(("F32.gguf", "BF16.gguf"))
 
 
 def test_latency_rounds_alternate_with_llama_bench_and_pool_the_runs(fake_bench, tmp_path):
