@@ -596,11 +596,13 @@ def add_roofline(result: BenchResult, w: wl.Workload, cost: ModelCost,
     if peak is None:
         return
     bw, itemsize = machine.bandwidth_gbs, _torch_dtype(result.dtype).itemsize
+    # the KV cache's type: pagedllm's kv_cache_dtype, llama.cpp's cache type
+    kv = result.settings.get("kv_cache_dtype") or result.settings.get("kv_cache_type")
     if w.name == "latency":
         r = w.requests[0]
         steps = range(r.prompt_len + 1, r.prompt_len + r.output_len)
         weight_bytes = result.settings.get("weight_bytes")  # quantized weights: their bytes
-        decode_s = sum(decode_step_roofline_seconds(cost, c, itemsize, peak, bw, weight_bytes)
+        decode_s = sum(decode_step_roofline_seconds(cost, c, itemsize, peak, bw, weight_bytes, kv)
                        for c in steps)
         bound_tok_s = len(steps) / decode_s if decode_s else None
         ttft_bound = prefill_roofline_seconds(cost, r.prompt_len, peak)
@@ -611,7 +613,7 @@ def add_roofline(result: BenchResult, w: wl.Workload, cost: ModelCost,
         if bound_tok_s and result.decode_tok_s:
             result.roofline_fraction = result.decode_tok_s / bound_tok_s
         return
-    roof = workload_roofline(cost, w, itemsize, peak, bw)
+    roof = workload_roofline(cost, w, itemsize, peak, bw, kv)
     result.roofline = {**roof.summary(), "tok_s": w.num_output_tokens / roof.seconds,
                        "serial_tok_s": w.num_output_tokens / roof.serial_seconds,
                        "device": machine.device}

@@ -40,6 +40,17 @@ class ModelCost:
     expert_params: int = 0        # one routed expert of every sparse layer (0: dense)
     num_experts: int = 0
     experts_per_token: int = 0
+    kv_vectors_per_token: int = 0  # head vectors of K and V of one token over all layers
+
+    def kv_bytes_per_token(self, kv_cache: str | None, itemsize: int) -> float:
+        """Bytes one token's K and V take in a cache of type kv_cache: pagedllm's
+        kv_cache_dtype or llama.cpp's cache type; None or "auto": itemsize bytes an element.
+        An int8 cache adds a 4-byte scale a vector, llama.cpp's q8_0 2 bytes a 32."""
+        per_element = {"float32": 4, "f32": 4, "bfloat16": 2, "float16": 2, "f16": 2,
+                       "q8_0": 34 / 32}.get(kv_cache or "", itemsize)
+        if kv_cache == "int8":
+            return self.kv_elements_per_token + 4 * self.kv_vectors_per_token
+        return per_element * self.kv_elements_per_token
 
     @property
     def prompt_flops_per_token(self) -> float:
@@ -88,6 +99,7 @@ def model_cost(mc: ModelConfig) -> ModelCost:
         attn_flops_per_pair=4.0 * mc.num_hidden_layers * q_out,
         weight_params=body_params + head_params,
         kv_elements_per_token=2 * mc.num_hidden_layers * kv_out,
+        kv_vectors_per_token=2 * mc.num_hidden_layers * mc.num_key_value_heads,
         expert_params=sparse * expert,
         num_experts=mc.num_experts if sparse else 0,
         experts_per_token=k)
@@ -142,15 +154,17 @@ def workload_prompt_flops(cost: ModelCost, workload: Workload) -> float:
                for r, c in zip(workload.requests, _cached_prefixes(workload)))
 
 
-def workload_min_bytes(cost: ModelCost, workload: Workload, itemsize: int) -> float:
-    """Bytes that must cross the memory bus at least: weights per decode step, K/V per decode token."""
+def workload_min_bytes(cost: ModelCost, workload: Workload, itemsize: int,
+                       kv_cache: str | None = None) -> float:
+    """Bytes that must cross the memory bus at least: weights per decode step, K/V per
+    decode token (in a cache of type kv_cache: ModelCost.kv_bytes_per_token)."""
     decode_steps = max(r.output_len for r in workload.requests) - 1
     decode_tokens = sum(r.output_len - 1 for r in workload.requests)
     kv_reads = sum(_sum_range(r.prompt_len + 1, r.prompt_len + r.output_len - 1)
                    for r in workload.requests)
     rows = decode_tokens / decode_steps if decode_steps else 1.0
-    return itemsize * (decode_steps * cost.step_weight_params(rows)
-                       + kv_reads * cost.kv_elements_per_token)
+    return (itemsize * decode_steps * cost.step_weight_params(rows)
+            + kv_reads * cost.kv_bytes_per_token(kv_cache, itemsize))
 
 
 @dataclass(frozen=True)
@@ -193,23 +207,25 @@ class Roofline:
 
 
 def workload_roofline(cost: ModelCost, workload: Workload, itemsize: int, peak_gflops: float,
-                      bandwidth_gbs: float) -> Roofline:
-    return Roofline(workload_flops(cost, workload), workload_min_bytes(cost, workload, itemsize),
+                      bandwidth_gbs: float, kv_cache: str | None = None) -> Roofline:
+    return Roofline(workload_flops(cost, workload),
+                    workload_min_bytes(cost, workload, itemsize, kv_cache),
                     peak_gflops, bandwidth_gbs, workload_prompt_flops(cost, workload))
 
 
 def decode_step_roofline_seconds(cost: ModelCost, context_len: int, itemsize: int,
                                  peak_gflops: float, bandwidth_gbs: float,
-                                 weight_bytes: float | None = None) -> float:
+                                 weight_bytes: float | None = None,
+                                 kv_cache: str | None = None) -> float:
     """Fastest single-stream decode step at a given context length (W2's decode bound).
     weight_bytes: what the engine's weights take (all experts) if not itemsize bytes a
-    parameter (quantized weights)."""
+    parameter (quantized weights); kv_cache: the cache's type (kv_bytes_per_token)."""
     flops = cost.output_flops_per_token + context_len * cost.attn_flops_per_pair
     if weight_bytes is None:
         weight_bytes = itemsize * cost.weight_params
     else:  # of a mixture of experts, the step reads its k experts' share
         weight_bytes *= cost.weight_params / cost.total_weight_params
-    nbytes = weight_bytes + itemsize * context_len * cost.kv_elements_per_token
+    nbytes = weight_bytes + context_len * cost.kv_bytes_per_token(kv_cache, itemsize)
     return max(flops / (peak_gflops * 1e9), nbytes / (bandwidth_gbs * 1e9))
 
 

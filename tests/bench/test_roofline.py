@@ -135,3 +135,22 @@ def test_a_mixture_of_experts_computes_its_top_k_experts_and_reads_those_it_reac
 def test_a_dense_model_reads_all_its_weights_whatever_the_rows(smollm_config):
     cost = model_cost(smollm_config)
     assert cost.total_weight_params == cost.weight_params == cost.step_weight_params(64)
+
+
+def test_kv_bytes_follow_the_caches_type(smollm_config):
+    """SmolLM2: 30 layers x 3 KV heads of 64, K and V. An int8 cache holds each vector's 64
+    values and a 4-byte scale; llama.cpp's q8_0 34 bytes a 32; a bf16 cache under fp32
+    activations 2 bytes a value, not the activations' 4."""
+    cost = model_cost(smollm_config)
+    vectors = 2 * 30 * 3
+    assert cost.kv_vectors_per_token == vectors
+    assert cost.kv_bytes_per_token("int8", 2) == vectors * 68
+    assert cost.kv_bytes_per_token("q8_0", 2) == vectors * 64 * 34 / 32
+    assert cost.kv_bytes_per_token("bfloat16", 4) == vectors * 64 * 2
+    assert cost.kv_bytes_per_token(None, 4) == cost.kv_bytes_per_token("auto", 4) == vectors * 256
+    # the same outputs after a long and a one-token prompt: the same weight reads, the
+    # difference is K/V only
+    long, short = (Workload("w", "", [BenchRequest(list(range(n)), 200)]) for n in (500, 1))
+    kv16, kv8 = (workload_min_bytes(cost, long, 2, kv) - workload_min_bytes(cost, short, 2, kv)
+                 for kv in ("bfloat16", "int8"))
+    assert kv16 > 0 and kv8 == pytest.approx(kv16 * 68 / 128)
