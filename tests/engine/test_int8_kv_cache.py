@@ -84,7 +84,9 @@ def test_greedy_outputs_close_to_an_unquantized_cache(dtype):
      "preemption_mode": "swap", "swap_space": 0.01},
     {"enforce_eager": True},                                         # op by op
     {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}'},
-], ids=["no-prefix-caching", "chunked", "recompute", "swap", "eager", "ngram"])
+    # a draft of the first 8 layers with an int8 cache of its own
+    {"speculative_config": '{"method": "self", "num_draft_layers": 8, "num_speculative_tokens": 3}'},
+], ids=["no-prefix-caching", "chunked", "recompute", "swap", "eager", "ngram", "self-draft"])
 def test_engine_paths_give_the_same_greedy_tokens(kw, reference):
     llm = engine(**kw)
     assert token_ids(llm) == reference
