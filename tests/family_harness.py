@@ -233,14 +233,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def assert_bf16_close(built: Built, fmt: str, prompts: list[list[int]]) -> None:
-    """vLLM's closeness rule: at the first token where our bf16 greedy reply and HF's bf16
-    one differ, each side's token is among the other's top-5."""
-    hf = type(built.hf).from_pretrained(str(built.hf_dir), dtype=torch.bfloat16).eval()
-    theirs = hf_greedy(hf, prompts)
-    llm = LLM(built.path(fmt), dtype="bfloat16", kv_cache_memory_bytes=32 * 2**20,
-              max_model_len=512)
-    outs = llm.generate(prompts, greedy(logprobs=5), use_tqdm=False)
+def assert_close_to_hf(hf: torch.nn.Module, prompts: list[list[int]], outs: list,
+                       theirs: list[list[int]], name: str = "") -> None:
+    """vLLM's closeness rule: at the first token where our greedy reply (outs, run with
+    logprobs=5) and HF's (theirs, from the model hf) differ, each side's token is among the
+    other's top-5."""
     for ids, out, ref in zip(prompts, outs, theirs):
         ours = out.token_ids
         i = first_difference(ours, ref)
@@ -251,31 +248,30 @@ def assert_bf16_close(built: Built, fmt: str, prompts: list[list[int]]) -> None:
             logits = hf(torch.tensor([ids + ref[:i]])).logits[0, -1].float()
         their_top5 = set(logits.topk(5).indices.tolist())
         assert ref[i] in our_top5 and ours[i] in their_top5, (
-            f"prompt {ids[:6]}...: token {i} ours {ours[i]} (top-5 {sorted(our_top5)}) vs HF "
-            f"{ref[i]} (top-5 {sorted(their_top5)})")
+            f"{name} prompt {ids[:6]}...: token {i} ours {ours[i]} (top-5 {sorted(our_top5)}) "
+            f"vs HF {ref[i]} (top-5 {sorted(their_top5)})")
+
+
+def assert_bf16_close(built: Built, fmt: str, prompts: list[list[int]]) -> None:
+    """vLLM's closeness rule for our bf16 greedy replies against HF's bf16 ones."""
+    hf = type(built.hf).from_pretrained(str(built.hf_dir), dtype=torch.bfloat16).eval()
+    theirs = hf_greedy(hf, prompts)
+    llm = LLM(built.path(fmt), dtype="bfloat16", kv_cache_memory_bytes=32 * 2**20,
+              max_model_len=512)
+    outs = llm.generate(prompts, greedy(logprobs=5), use_tqdm=False)
+    assert_close_to_hf(hf, prompts, outs, theirs, built.family.name)
 
 
 def assert_int8_kv_close(built: Built, fmt: str, prompts: list[list[int]],
                          reference: list[list[int]]) -> None:
     """An int8 KV cache under fp32 activations against HF's fp32 greedy replies (reference),
-    by vLLM's closeness rule: at the first differing token each side's is in the other's
-    top-5. Its features (windows, soft-caps, q/k norms, experts) all read the int8 cache."""
+    by vLLM's closeness rule. Its features (windows, soft-caps, q/k norms, experts) all read
+    the int8 cache."""
     llm = LLM(built.path(fmt), dtype="float32", kv_cache_dtype="int8",
               kv_cache_memory_bytes=32 * 2**20, max_model_len=512, check_invariants=True)
     assert llm.engine.model_runner.kv_cache.dtype == torch.int8
     outs = llm.generate(prompts, greedy(logprobs=5), use_tqdm=False)
-    for ids, out, ref in zip(prompts, outs, reference):
-        ours = out.token_ids
-        i = first_difference(ours, ref)
-        if i is None:
-            continue
-        our_top5 = {t for t, _ in out.outputs[0].logprobs[i].top}
-        with torch.no_grad():
-            logits = built.hf(torch.tensor([ids + ref[:i]])).logits[0, -1]
-        their_top5 = set(logits.topk(5).indices.tolist())
-        assert ref[i] in our_top5 and ours[i] in their_top5, (
-            f"{built.family.name} prompt {ids[:6]}...: token {i} ours {ours[i]} (top-5 "
-            f"{sorted(our_top5)}) vs HF {ref[i]} (top-5 {sorted(their_top5)})")
+    assert_close_to_hf(built.hf, prompts, outs, reference, built.family.name)
 
 
 def max_logit_error(llm: LLM, model: torch.nn.Module, prompts: list[list[int]]) -> float:

@@ -85,24 +85,32 @@ def test_the_cache_type_follows_pagedllms_kv_cache(fake_bench):
         LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1, kv_dtype="int4")
 
 
-def test_llama_cpp_gets_the_same_gguf_when_pagedllm_keeps_it_quantized(fake_bench, tmp_path):
-    """Without --llama-gguf, a GGUF model whose weights pagedllm keeps quantized goes to
-    llama.cpp as it is (the same weights; converting a 30B file to BF16 would write 61 GB),
-    its rows labelled with the file; a dequantized run's peer gets the converted file."""
-    binary, log = fake_bench
+def run_latency_bench(fake_bench, tmp_path, *args: str) -> tuple[dict, dict, dict]:
+    """`pagedllm bench latency --compare llamabench` on the bundled model against the
+    stand-in llama-bench, with args added: the JSON and its pagedllm and llama-bench rows."""
+    binary, _ = fake_bench
     server = binary.parent / "llama-server"
     server.chmod(server.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "lat.json"
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "latency",
            "--compare", "llamabench", "--llama-server", str(server), "--threads", "1",
-           "--input-len", "40", "--output-len", "4", "--latency-iters", "1", "--quick-machine",
-           "--kv-cache-memory-bytes", str(64 * 2**20), "--output-json", str(out)]
+           "--input-len", "40", "--output-len", "4", "--quick-machine",
+           "--kv-cache-memory-bytes", str(64 * 2**20), "--output-json", str(out), *args]
     env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     ours, theirs = (next(x for x in doc["results"] if x["engine"].startswith(e))
                     for e in ("pagedllm", "llama-bench"))
+    return doc, ours, theirs
+
+
+def test_llama_cpp_gets_the_same_gguf_when_pagedllm_keeps_it_quantized(fake_bench, tmp_path):
+    """Without --llama-gguf, a GGUF model whose weights pagedllm keeps quantized goes to
+    llama.cpp as it is (the same weights; converting a 30B file to BF16 would write 61 GB),
+    its rows labelled with the file; a dequantized run's peer gets the converted file."""
+    _, log = fake_bench
+    _, ours, theirs = run_latency_bench(fake_bench, tmp_path, "--latency-iters", "1")
     files = {c[c.index("-m") + 1] for c in map(json.loads, log.read_text().splitlines())}
     if ours["settings"]["quantization"] == "gguf":
         assert files == {default_model_path()}
@@ -114,22 +122,10 @@ def test_llama_cpp_gets_the_same_gguf_when_pagedllm_keeps_it_quantized(fake_benc
 def test_latency_rounds_alternate_with_llama_bench_and_pool_the_runs(fake_bench, tmp_path):
     """--latency-rounds 3: pagedllm (loaded once) and llama-bench in turn, three rounds; each
     engine's runs pooled, each round's decode ratio kept."""
-    binary, log = fake_bench
-    server = binary.parent / "llama-server"
-    server.chmod(server.stat().st_mode | stat.S_IEXEC)
-    out = tmp_path / "lat.json"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "latency",
-           "--compare", "llamabench", "--llama-server", str(server),
-           "--llama-gguf", default_model_path(), "--threads", "1", "--input-len", "40",
-           "--output-len", "4", "--latency-iters", "2", "--latency-rounds", "3",
-           "--quick-machine", "--kv-cache-memory-bytes", str(64 * 2**20),
-           "--output-json", str(out)]
-    env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    ours, theirs = (next(x for x in doc["results"] if x["engine"].startswith(e))
-                    for e in ("pagedllm", "llama-bench"))
+    _, log = fake_bench
+    doc, ours, theirs = run_latency_bench(fake_bench, tmp_path, "--llama-gguf",
+                                          default_model_path(), "--latency-iters", "2",
+                                          "--latency-rounds", "3")
     assert ours["settings"]["rounds"] == theirs["settings"]["rounds"] == 3
     assert ours["settings"]["iterations"] == theirs["settings"]["iterations"] == 6
     assert theirs["settings"]["decode_tok_s_all"] == [50.0, 40.0] * 3  # the fake's samples

@@ -13,16 +13,11 @@ import torch
 
 from engine_cache import bounded_engine_cache  # tests/ (pytest prepends the rootdir)
 from family_harness import (Family, assert_int8_kv_close, build, hf_greedy, prompt_ids)
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
+# the bf16 cache's module: the same prompts, replies and closeness rule (tests/engine)
+from test_kv_cache_dtype import (BUDGET, NEW_TOKENS, PROMPTS, assert_close_by_top5, greedy,
+                                 token_ids)
 
-BUDGET = 32 * 2**20
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n",
-    "Copy the list exactly: red, green, blue, red, green, blue, red, green. Copy:",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-]
-NEW_TOKENS = 24
 BLOCK_BYTES = 16 * 2 * 30 * 3 * (64 + 4)   # one 16-token block of SmolLM2's int8 KV
 
 
@@ -32,15 +27,6 @@ def engine(**kw) -> LLM:
                    max_model_len=512, check_invariants=True)
     options.update(kw)
     return LLM(**options)
-
-
-def greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, **kw)
-
-
-def token_ids(llm: LLM, params: SamplingParams | None = None) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, params or greedy(), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +47,7 @@ def test_greedy_outputs_close_to_an_unquantized_cache(dtype):
     """At the first token where the two continuations differ, each side's token is among
     the other's top 5 there (vLLM's rule); most tokens agree exactly."""
     plain = LLM(dtype=dtype, kv_cache_memory_bytes=BUDGET, max_model_len=512)
-    params = greedy(logprobs=5)
-    ours = engine(dtype=dtype).generate(PROMPTS, params, use_tqdm=False)
-    theirs = plain.generate(PROMPTS, params, use_tqdm=False)
-    agreed = 0
-    for a, b in zip(ours, theirs):
-        x, y = a.outputs[0], b.outputs[0]
-        same = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t),
-                    NEW_TOKENS)
-        agreed += same
-        if same < NEW_TOKENS:
-            assert x.token_ids[same] in [t for t, _ in y.logprobs[same].top]
-            assert y.token_ids[same] in [t for t, _ in x.logprobs[same].top]
-    assert agreed >= len(PROMPTS) * NEW_TOKENS // 2, agreed
+    assert_close_by_top5(engine(dtype=dtype), plain)
 
 
 @pytest.mark.parametrize("kw", [
