@@ -289,12 +289,8 @@ void attend_head(const WorkItem& w, int64_t kv_head, const Shapes& s, const Inpu
     const int64_t span = num_keys - begin;
     for_each_key(in.k_cache, table, begin, num_keys, item_end, kv_head, s, [&](int64_t j, const C* kj) {
       const int64_t first_r = j <= first_unmasked ? 0 : (j - first_unmasked) * gn;
-      if constexpr (std::is_same_v<C, int8_t>) {
-        const float ks = vector_scale(kj, d);
-        for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d) * ks;
-      } else {
-        for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d);
-      }
+      const float ks = vector_scale(kj, d);  // 1 (exact) but for an int8 cache
+      for (int64_t r = first_r; r < rows; ++r) scores[r * span + j - begin] = dot<C, D>(kj, qf + r * d, d) * ks;
     });
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t last = first_unmasked + r / gn + 1;  // keys [.., last) of the row
