@@ -8,7 +8,9 @@ partial sums.
 
 On the CPU a step's tokens are grouped by expert: each expert that any token routes to
 runs once, on all of its tokens' rows, so its weights are read once per step however many
-tokens chose it (decode steps are bound by reading weights). Grouping needs the counts on
+tokens chose it (decode steps are bound by reading weights). Where dense linears take
+pagedllm's packed bf16 kernel, bf16 experts are packed for it at load, in place
+(pack_experts: w13 [E, 2I/16, H/2, 16, 2], w2 likewise). Grouping needs the counts on
 the host; a CUDA decode step replayed from a graph (engine/cuda_graph.py) cannot wait for
 them, so on CUDA every expert runs on every row and routing weights of 0 drop its output.
 """
@@ -62,6 +64,29 @@ def select_expert_linear(weight: torch.Tensor) -> ExpertLinear:
     return F.linear
 
 
+def can_pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether loaded bf16 experts take pagedllm's packed kernel (as dense linears do, by
+    PackedBf16LinearMethod's rule: not on AMX CPUs, where oneDNN's matmuls win)."""
+    return (w13.dtype == torch.bfloat16 and w13.is_cpu and w13.numel() > 0
+            and probes.has_packed_linear() and not probes.amx_linear_rows()
+            and all(w.shape[1] % 16 == 0 and w.shape[2] % 2 == 0 for w in (w13, w2)))
+
+
+def pack_experts(w: torch.Tensor) -> torch.Tensor:
+    """Stacked expert weights [E, N, K] packed for pagedllm's kernel, expert by expert in
+    place (one expert's copy at a time): [E, N/16, K/2, 16, 2]."""
+    e, n, k = w.shape
+    for expert in w:
+        expert.copy_(ops.pack_linear_weight_bf16(expert).view(n, k))
+    return w.view(e, n // 16, k // 2, 16, 2)
+
+
+def unpack_experts(packed: torch.Tensor) -> torch.Tensor:
+    """pack_experts undone, into a new [E, N, K] tensor (for rare paths)."""
+    e, groups, pairs = packed.shape[:3]
+    return packed.permute(0, 1, 3, 2, 4).reshape(e, groups * 16, pairs * 2)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:  # copy_ would broadcast one expert over all of them
         raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit the "
@@ -107,8 +132,15 @@ class FusedMoE(nn.Module):
         # here) and its description of the experts, keyed by what it describes
         self.use_kernel = True
         self._described: tuple | None = None
+        # w13 and w2 hold the experts packed for pagedllm's kernel (pack_experts), in place
+        # of their plain [E, N, K] form: every weight once, read as the dense linears are
+        self.packed = False
 
     def process_weights_after_loading(self) -> None:
+        if can_pack_experts(self.w13, self.w2):
+            self.w13.data = pack_experts(self.w13.data)
+            self.w2.data = pack_experts(self.w2.data)
+            self.packed = True
         self.linear = select_expert_linear(self.w13)
         # an instance attribute: calls go straight to the chosen method
         self.forward = self.forward_grouped if self.w13.is_cpu else self.forward_dense
@@ -277,5 +309,11 @@ class FusedMoE(nn.Module):
         if self.gguf_experts is not None:
             w13, w2 = self.gguf_experts[expert]
             return parts_linear(self.act_fn.forward(parts_linear(x, w13)), w2)
+        if self.packed:
+            w13, w2 = self.w13[expert], self.w2[expert]
+            if x.dtype == torch.bfloat16 and x.dim() == 2:
+                return ops.packed_linear_bf16(ops.packed_gate_up_silu_bf16(x, w13), w2)
+            w13, w2 = (unpack_experts(w.unsqueeze(0))[0] for w in (w13, w2))
+            return F.linear(self.act_fn.forward(F.linear(x, w13)), w2)
         h = self.act_fn.forward(self.linear(x, self.w13[expert]))
         return self.linear(h, self.w2[expert])

@@ -18,7 +18,7 @@ from family_harness import (Family, SETTING_CASES, assert_beam_search_equals_hf,
 from pagedllm import LLM
 from pagedllm.distributed import set_tp
 from pagedllm.kernels import probes
-from pagedllm.layers.moe import FusedMoE, select_experts
+from pagedllm.layers.moe import FusedMoE, select_experts, unpack_experts
 
 E, H, I = 8, 64, 48  # experts, hidden size, each expert's intermediate size
 
@@ -98,19 +98,47 @@ def test_bf16_layer_matches_per_token_float64_reference(tokens, weights_in_fp32)
     torch.testing.assert_close(ours.double(), ref, rtol=3e-2, atol=3e-2)
 
 
-def test_bf16_few_rows_take_the_weight_streaming_kernel(monkeypatch):
+def test_bf16_experts_take_the_packed_kernel_or_the_streaming_one_for_few_rows(monkeypatch):
+    """Where dense linears take pagedllm's packed kernel, bf16 experts are packed for it too
+    (every weight held once, in the packed form); elsewhere (AMX CPUs) few rows take the
+    weight-streaming kernel on the plain weight."""
     if not probes.has_avx512_bf16():
         pytest.skip("no AVX512-BF16 here: bf16 experts take F.linear")
     from pagedllm.kernels import ops
-    calls: list[int] = []
-    kernel = ops.small_linear_bf16
-    monkeypatch.setattr(ops, "small_linear_bf16",
-                        lambda x, w: calls.append(len(x)) or kernel(x, w))
-    layer = build({n: t for n, t in random_experts(3).items()}, dtype=torch.bfloat16)
+    calls: dict[str, list[int]] = {"packed": [], "streaming": []}
+    for name, kind in (("packed_gate_up_silu_bf16", "packed"), ("packed_linear_bf16", "packed"),
+                       ("small_linear_bf16", "streaming")):
+        kernel = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda x, w, k=kernel, c=calls[kind]: c.append(len(x)) or k(x, w))
+    experts = random_experts(3)
+    layer = build(experts, dtype=torch.bfloat16)
     layer.use_kernel = False  # (the C++ path makes the same choice: equal results below)
     x, logits = inputs(4, 3)
     layer(x.bfloat16(), logits)
-    assert calls and all(rows <= 3 for rows in calls)
+    packs = probes.has_packed_linear() and not probes.amx_linear_rows()
+    assert layer.packed == packs
+    used, unused = ("packed", "streaming") if packs else ("streaming", "packed")
+    assert calls[used] and all(rows <= 3 for rows in calls[used]) and not calls[unused]
+    if packs:  # the packing holds the weights' exact values, in the parameters' own storage
+        assert layer.w13.shape == (E, 2 * I // 16, H // 2, 16, 2)
+        gate_up = torch.cat([experts["gate"], experts["up"]], 1).bfloat16()
+        assert torch.equal(unpack_experts(layer.w13), gate_up)
+        assert torch.equal(unpack_experts(layer.w2), experts["down"].bfloat16())
+
+
+@pytest.mark.parametrize("weights_in_fp32", [False, True])
+def test_bf16_experts_give_a_token_the_same_output_in_any_batch(weights_in_fp32):
+    """A token's output does not depend on the other tokens of its step (which experts they
+    share with it, how many rows each expert runs): alone and in batches of 1 to 40, bit for
+    bit, where the experts take the packed kernel."""
+    if not (probes.has_packed_linear() and not probes.amx_linear_rows()):
+        pytest.skip("bf16 experts are not packed on this CPU")
+    layer = build(random_experts(9), 3, dtype=torch.bfloat16, weights_in_fp32=weights_in_fp32)
+    x, logits = inputs(10, 40)
+    x = x.bfloat16()
+    alone = torch.cat([layer(x[t:t + 1], logits[t:t + 1]) for t in range(40)])
+    for rows in (2, 5, 17, 40):
+        assert torch.equal(layer(x[:rows], logits[:rows]), alone[:rows])
 
 
 def _kernel_and_loop(layer: FusedMoE, x: torch.Tensor, logits: torch.Tensor

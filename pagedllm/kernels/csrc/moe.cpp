@@ -7,7 +7,9 @@
 // tensors, so the results are the same bit for bit: the pairs sorted by expert (tokens in
 // order within an expert), an expert's rows gathered, gate/up by the expert's linear,
 // silu_and_mul, down, then out[t] = T(out[t] + T(y * w)) expert after expert in the rows'
-// dtype T, bf16 or fp32 (torch's multiply and index_add_ round the same way). What it
+// dtype T, bf16 or fp32 (torch's multiply and index_add_ round the same way). Experts packed
+// for pagedllm's bf16 kernel run gate/up and silu_and_mul as one packed_gate_up_silu_bf16
+// (the same results as the two ops). What it
 // saves is the Python and torch dispatch around ~7 ops per chosen expert: Qwen3-30B-A3B
 // chooses 8 of 128 per token, so a step of 16 rows runs ~100 experts in each of its 48
 // layers.
@@ -21,14 +23,22 @@
 namespace pagedllm {
 namespace {
 
-// x w^T for one expert's projection: GGUF parts kept quantized, else the bf16 weight
-// streamed by small_linear_bf16 up to small_rows rows and torch's linear beyond
-// (layers/moe.py select_expert_linear).
+// x w^T for one expert's projection: GGUF parts kept quantized, a bf16 weight packed for
+// pagedllm's kernel (layers/moe.py FusedMoE.packed), else the plain bf16 weight streamed by
+// small_linear_bf16 up to small_rows rows and torch's linear beyond (select_expert_linear).
 at::Tensor expert_linear(const at::Tensor& x, const StackLinear& l, int64_t small_rows) {
   if (!l.parts.empty()) return gguf_parts_linear(x, l);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "moe_experts: fp32 rows take GGUF experts only");
+  if (l.packed.dim() == 4) return packed_linear_bf16(x, l.packed, false);
   if (x.size(0) <= small_rows) return small_linear_bf16(x, l.weight);
   return at::linear(x, l.weight);
+}
+
+// silu(gate) * up of an expert's [gate; up] projection: in one pass from a packed weight
+// (the same results as the linear then silu_and_mul).
+at::Tensor expert_gate_up(const at::Tensor& x, const StackLinear& l, int64_t small_rows) {
+  if (l.parts.empty() && l.packed.dim() == 4) return packed_gate_up_silu_bf16(x, l.packed);
+  return silu_and_mul(expert_linear(x, l, small_rows));
 }
 
 // out[r[i]] = T(out[r[i]] + T(y[i] * w[pair i])) for an expert's rows i, in order.
@@ -89,7 +99,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     for (int64_t i = 0; i < count; ++i) r[i] = pairs[e][i] / top_k;
   }
   auto run_expert = [&](int64_t e) {
-    const at::Tensor h = silu_and_mul(expert_linear(x.index_select(0, rows[e]), gate_up[e], small_rows));
+    const at::Tensor h = expert_gate_up(x.index_select(0, rows[e]), gate_up[e], small_rows);
     y[e] = expert_linear(h, down[e], small_rows).contiguous();
   };
   if (most <= small_rows && at::get_num_threads() > 1 && chosen.size() > 1) {
