@@ -137,7 +137,7 @@ class FusedMoE(nn.Module):
         self.packed = False
 
     def process_weights_after_loading(self) -> None:
-        if can_pack_experts(self.w13, self.w2):
+        if not self.packed and can_pack_experts(self.w13, self.w2):
             self.w13.data = pack_experts(self.w13.data)
             self.w2.data = pack_experts(self.w2.data)
             self.packed = True

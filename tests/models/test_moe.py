@@ -120,6 +120,7 @@ def test_bf16_experts_take_the_packed_kernel_or_the_streaming_one_for_few_rows(m
     used, unused = ("packed", "streaming") if packs else ("streaming", "packed")
     assert calls[used] and all(rows <= 3 for rows in calls[used]) and not calls[unused]
     if packs:  # the packing holds the weights' exact values, in the parameters' own storage
+        layer.process_weights_after_loading()  # again: packs nothing twice
         assert layer.w13.shape == (E, 2 * I // 16, H // 2, 16, 2)
         gate_up = torch.cat([experts["gate"], experts["up"]], 1).bfloat16()
         assert torch.equal(unpack_experts(layer.w13), gate_up)
