@@ -90,6 +90,22 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def takes_packed_bf16(weight: torch.Tensor) -> bool:
+    """Whether a loaded bf16 CPU weight [..., N, K] (stacked experts too) takes pagedllm's
+    packed kernel: built here, not on an AMX CPU (oneDNN's AMX matmuls win from ~48 rows),
+    N a multiple of 16 and K even."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() >= 2 and probes.has_packed_linear() and not probes.amx_linear_rows()
+            and weight.shape[-2] % 16 == 0 and weight.shape[-1] % 2 == 0)
+
+
+def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
+    """A packing [..., N/16, K/2, 16, 2] (w[16a + c, 2b + d] at [a, b, c, d]) back to the
+    weight [..., N, K], in a new tensor."""
+    *lead, groups, pairs = packed.shape[:-2]
+    return packed.transpose(-3, -2).reshape(*lead, groups * 16, pairs * 2)
+
+
 class PackedBf16LinearMethod(LinearMethod):
     """fp32_out (the LM head): the kernel's fp32 sums, unrounded. Rounded to bf16 (a step of
     1/16 at 16), near-equal top logits would tie and the first index win.
@@ -103,18 +119,12 @@ class PackedBf16LinearMethod(LinearMethod):
     def __init__(self, fp32_out: bool = False) -> None:
         self.fp32_out = fp32_out
 
-    @staticmethod
-    def can_pack(weight: torch.Tensor) -> bool:
-        n, k = weight.shape
-        return probes.has_packed_linear() and n % 16 == 0 and k % 2 == 0
-
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.packed_weight = ops.pack_linear_weight_bf16(layer.weight.detach())
         _free_weight(layer)
 
     def weight(self, layer: nn.Module) -> torch.Tensor:
-        packed = layer.packed_weight  # [N/16, K/2, 16, 2]: w[16a + c, 2b + d] at [a, b, c, d]
-        return packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * 16, packed.shape[1] * 2)
+        return unpack_bf16(layer.packed_weight)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         packed = layer.packed_weight
@@ -193,6 +203,6 @@ def select_linear_method(weight: torch.Tensor, fp32_out: bool = False) -> Linear
     oneDNN method for bf16 on the CPU, else F.linear."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return TorchLinearMethod()
-    if PackedBf16LinearMethod.can_pack(weight) and not probes.amx_linear_rows():
+    if takes_packed_bf16(weight):
         return PackedBf16LinearMethod(fp32_out)
     return OneDNNLinearMethod()

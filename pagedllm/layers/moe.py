@@ -25,6 +25,7 @@ from torch import nn
 from pagedllm.distributed import all_reduce, get_tp_rank, get_tp_size
 from pagedllm.kernels import ops, probes
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.linear_methods import takes_packed_bf16, unpack_bf16
 from pagedllm.layers.quantized import GGUFRows, pack_rows, parts_linear
 
 ExpertLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -64,14 +65,6 @@ def select_expert_linear(weight: torch.Tensor) -> ExpertLinear:
     return F.linear
 
 
-def can_pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether loaded bf16 experts take pagedllm's packed kernel (as dense linears do, by
-    PackedBf16LinearMethod's rule: not on AMX CPUs, where oneDNN's matmuls win)."""
-    return (w13.dtype == torch.bfloat16 and w13.is_cpu and w13.numel() > 0
-            and probes.has_packed_linear() and not probes.amx_linear_rows()
-            and all(w.shape[1] % 16 == 0 and w.shape[2] % 2 == 0 for w in (w13, w2)))
-
-
 def pack_experts(w: torch.Tensor) -> torch.Tensor:
     """Stacked expert weights [E, N, K] packed for pagedllm's kernel, expert by expert in
     place (one expert's copy at a time): [E, N/16, K/2, 16, 2]."""
@@ -79,12 +72,6 @@ def pack_experts(w: torch.Tensor) -> torch.Tensor:
     for expert in w:
         expert.copy_(ops.pack_linear_weight_bf16(expert).view(n, k))
     return w.view(e, n // 16, k // 2, 16, 2)
-
-
-def unpack_experts(packed: torch.Tensor) -> torch.Tensor:
-    """pack_experts undone, into a new [E, N, K] tensor (for rare paths)."""
-    e, groups, pairs = packed.shape[:3]
-    return packed.permute(0, 1, 3, 2, 4).reshape(e, groups * 16, pairs * 2)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -137,7 +124,7 @@ class FusedMoE(nn.Module):
         self.packed = False
 
     def process_weights_after_loading(self) -> None:
-        if not self.packed and can_pack_experts(self.w13, self.w2):
+        if not self.packed and all(takes_packed_bf16(w) for w in (self.w13, self.w2)):
             self.w13.data = pack_experts(self.w13.data)
             self.w2.data = pack_experts(self.w2.data)
             self.packed = True
@@ -313,7 +300,7 @@ class FusedMoE(nn.Module):
             w13, w2 = self.w13[expert], self.w2[expert]
             if x.dtype == torch.bfloat16 and x.dim() == 2:
                 return ops.packed_linear_bf16(ops.packed_gate_up_silu_bf16(x, w13), w2)
-            w13, w2 = (unpack_experts(w.unsqueeze(0))[0] for w in (w13, w2))
+            w13, w2 = unpack_bf16(w13), unpack_bf16(w2)
             return F.linear(self.act_fn.forward(F.linear(x, w13)), w2)
         h = self.act_fn.forward(self.linear(x, self.w13[expert]))
         return self.linear(h, self.w2[expert])

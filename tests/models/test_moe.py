@@ -18,7 +18,8 @@ from family_harness import (Family, SETTING_CASES, assert_beam_search_equals_hf,
 from pagedllm import LLM
 from pagedllm.distributed import set_tp
 from pagedllm.kernels import probes
-from pagedllm.layers.moe import FusedMoE, select_experts, unpack_experts
+from pagedllm.layers.linear_methods import unpack_bf16
+from pagedllm.layers.moe import FusedMoE, select_experts
 
 E, H, I = 8, 64, 48  # experts, hidden size, each expert's intermediate size
 
@@ -109,7 +110,8 @@ def test_bf16_experts_take_the_packed_kernel_or_the_streaming_one_for_few_rows(m
     for name, kind in (("packed_gate_up_silu_bf16", "packed"), ("packed_linear_bf16", "packed"),
                        ("small_linear_bf16", "streaming")):
         kernel = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda x, w, k=kernel, c=calls[kind]: c.append(len(x)) or k(x, w))
+        monkeypatch.setattr(ops, name,
+                            lambda x, w, k=kernel, c=calls[kind]: c.append(len(x)) or k(x, w))
     experts = random_experts(3)
     layer = build(experts, dtype=torch.bfloat16)
     layer.use_kernel = False  # (the C++ path makes the same choice: equal results below)
@@ -123,8 +125,8 @@ def test_bf16_experts_take_the_packed_kernel_or_the_streaming_one_for_few_rows(m
         layer.process_weights_after_loading()  # again: packs nothing twice
         assert layer.w13.shape == (E, 2 * I // 16, H // 2, 16, 2)
         gate_up = torch.cat([experts["gate"], experts["up"]], 1).bfloat16()
-        assert torch.equal(unpack_experts(layer.w13), gate_up)
-        assert torch.equal(unpack_experts(layer.w2), experts["down"].bfloat16())
+        assert torch.equal(unpack_bf16(layer.w13), gate_up)
+        assert torch.equal(unpack_bf16(layer.w2), experts["down"].bfloat16())
 
 
 @pytest.mark.parametrize("weights_in_fp32", [False, True])
