@@ -98,6 +98,11 @@ def pack_linear_weight_bf16(w: Tensor) -> Tensor:
     return _ext.pack_linear_weight_bf16(w)
 
 
+def allow_amx_linear(allowed: bool) -> None:
+    """Tests: False makes packed_linear_bf16 take AVX512-BF16 dot products where AMX runs."""
+    _ext.allow_amx_linear(allowed)
+
+
 def packed_linear_bf16(x: Tensor, packed: Tensor, fp32_out: bool = False) -> Tensor:
     """x w^T for any number of bf16 rows from the packed weight; fp32_out: the fp32 sums."""
     return _ext.packed_linear_bf16(x, packed, fp32_out)

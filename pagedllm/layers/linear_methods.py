@@ -13,15 +13,16 @@ select_linear_method or in the loader that picks it.
 - TorchLinearMethod: F.linear. fp32 (so fp32 outputs stay HF transformers' bit for bit),
   CUDA, and layers not yet loaded.
 - PackedBf16LinearMethod: pagedllm's packed bf16 kernel (csrc/packed_linear.cpp) at every
-  row count, on CPUs with AVX512-BF16 and no AMX. Over SmolLM2's layers and head on the
+  row count, on CPUs with AVX512-BF16: dot products (AMD Zen 4/5), or AMX tiles on the
+  same packing (Intel Xeon since Sapphire Rapids). Over SmolLM2's layers and head on the
   2-core Zen 5: 7.9 ms at 1 row (8.5 for the weight-streaming kernel, 12.8 for oneDNN),
   22.0 vs oneDNN's 27.0 at 32 rows, 41.1 vs 47.0 at 64, 2-5% faster at 512-2048.
-- OneDNNLinearMethod: other bf16 CPU linears (AMX CPUs, shapes the packed kernel does not
-  take): the weight-streaming kernel for few rows, the AMX kernel up to 32 rows, oneDNN on
+- OneDNNLinearMethod: other bf16 CPU linears (shapes the packed kernel does not take):
+  the weight-streaming kernel for few rows, the AMX kernel up to 32 rows, oneDNN on
   its prepacked weight beyond (torch's bf16 matmul reorders the weight on every call: with
   the packed copy a 64-row decode step takes 18 instead of 32 ms of linears). Where the
-  CPU has AVX512-BF16 (AMX CPUs), the first two kernels read the plain weight, so it stays
-  beside oneDNN's packing: such linears hold their weight twice (see keeps_two_forms).
+  CPU has AVX512-BF16, the first two kernels read the plain weight, so it stays beside
+  oneDNN's packing: such linears hold their weight twice (see keeps_two_forms).
   Without AVX512-BF16 only oneDNN's packing is read and the plain weight is freed; where
   oneDNN cannot pack bf16 at all (AVX2-only CPUs: AMD Zen 2/3) it is F.linear.
 - GGUFQ4_1LinearMethod (layers/quantized.py): a GGUF Q4_1 weight kept quantized.
@@ -92,10 +93,10 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 def takes_packed_bf16(weight: torch.Tensor) -> bool:
     """Whether a loaded bf16 CPU weight [..., N, K] (stacked experts too) takes pagedllm's
-    packed kernel: built here, not on an AMX CPU (oneDNN's AMX matmuls win from ~48 rows),
-    N a multiple of 16 and K even."""
+    packed kernel: built here (AVX512-BF16; on AMX CPUs it runs on AMX tiles where K is a
+    multiple of 32), N a multiple of 16 and K even."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.dim() >= 2 and probes.has_packed_linear() and not probes.amx_linear_rows()
+            and weight.dim() >= 2 and probes.has_packed_linear()
             and weight.shape[-2] % 16 == 0 and weight.shape[-1] % 2 == 0)
 
 
@@ -191,16 +192,16 @@ def keeps_two_forms() -> bool:
 
 def linear_weight_forms(dtype: torch.dtype, device_type: str) -> int:
     """How many forms a model's linears will hold their weights in (for the memory check
-    before loading): 2 for bf16 on AMX CPUs (every linear takes the oneDNN method and keeps
-    its plain weight), else 1."""
+    before loading): 1 where bf16 linears take the packed kernel (its packing is their only
+    form); 2 for bf16 on a CPU with AMX but no packed kernel (the oneDNN method keeps the
+    plain weight beside its packing); else 1."""
     amx = device_type == "cpu" and dtype == torch.bfloat16 and probes.amx_linear_rows() > 0
-    return 2 if amx and keeps_two_forms() else 1
+    return 2 if amx and keeps_two_forms() and not probes.has_packed_linear() else 1
 
 
 def select_linear_method(weight: torch.Tensor, fp32_out: bool = False) -> LinearMethod:
     """The method for a loaded weight: pagedllm's packed bf16 kernel where it runs and takes
-    the shape (not on AMX CPUs, where oneDNN's AMX matmuls win from ~48 rows), else the
-    oneDNN method for bf16 on the CPU, else F.linear."""
+    the shape, else the oneDNN method for bf16 on the CPU, else F.linear."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return TorchLinearMethod()
     if takes_packed_bf16(weight):

@@ -11,12 +11,28 @@ from types import SimpleNamespace
 from pagedllm.kernels import build, ops, probes
 from pagedllm.layers.linear_methods import (OneDNNLinearMethod, PackedBf16LinearMethod,
                                             TorchLinearMethod, select_linear_method)
+from cpu_features import cpu_has_amx_bf16
 from test_small_linear import check_against_float64  # tests/kernels (pytest prepends rootdir)
 
 ext = build.load()
 if ext is None or not ext.has_packed_linear_bf16():
     # Only CPUs with AVX512-BF16 get the kernel (the engine then uses oneDNN); CI's do.
     pytest.skip("no AVX512-BF16 on this CPU: the engine uses oneDNN", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True, params=["amx", "avx512_bf16"])
+def isa(request):
+    """Every test runs on each path the CPU has: AMX tiles (the packing is their weight
+    operand as it stands), and AVX512-BF16 dot products (on an AMX CPU with AMX turned off
+    for the module). Where the CPU has AMX-BF16 the AMX path must run: fail, never skip."""
+    if request.param == "amx" and not cpu_has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16: the kernel's AMX path is not run here")
+    ext.allow_amx_linear(request.param == "amx")
+    try:
+        assert ext.packed_linear_uses_amx() == (request.param == "amx")
+        yield request.param
+    finally:
+        ext.allow_amx_linear(True)
 
 
 def loaded(w: torch.Tensor, fp32_out: bool = False):
@@ -32,10 +48,11 @@ def packed_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return ext.packed_linear_bf16(x, ext.pack_linear_weight_bf16(w))
 
 
-# Rows around the register tile (8) and the work chunk (256); outputs around the panel of
-# 3 groups of 16 (one, two or three groups in the last panel); K down to one pair.
-@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 17, 64, 255, 257, 600])
-@pytest.mark.parametrize("n,k", [(576, 576), (16, 2), (32, 34), (80, 1536), (960, 64)])
+# Rows around the register tile (8; AMX: 16 and 32) and the work chunk (256); outputs
+# around the panel of 3 groups of 16 (one, two or three groups in the last panel; AMX: 2,
+# so an odd last group); K down to one pair, and K not a multiple of 32 (AMX: dot products).
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 17, 31, 33, 64, 255, 257, 600])
+@pytest.mark.parametrize("n,k", [(576, 576), (16, 2), (32, 34), (80, 1536), (960, 64), (48, 96)])
 def test_matches_float64_like_torch(m, n, k):
     check_against_float64(packed_kernel, m, n, k)
 
@@ -74,18 +91,15 @@ def test_bad_shapes_are_clear_errors():
 
 
 def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_count(monkeypatch):
-    """Without AMX a bf16 weight with N % 16 == 0 and K even is packed for pagedllm's kernel,
-    and its method sends every row count to it (bias added after); other shapes keep
-    oneDNN's packing, fp32 weights none. With AMX, oneDNN's packing stays."""
+    """A bf16 weight with N % 16 == 0 and K even is packed for pagedllm's kernel (on AMX
+    CPUs too), and its method sends every row count to it (bias added after); other shapes
+    keep oneDNN's packing, fp32 weights none."""
     w, b = torch.randn(64, 128).bfloat16(), torch.randn(64).bfloat16()
     method, layer = loaded(w)
     odd_method, odd = loaded(torch.randn(40, 128).bfloat16())
     fp32_method, fp32 = loaded(w.float())
     assert isinstance(fp32_method, TorchLinearMethod) and fp32.packed_weight is None
     assert isinstance(odd_method, OneDNNLinearMethod) and odd.packed_weight is not None
-    if probes.amx_linear_rows():
-        assert isinstance(method, OneDNNLinearMethod)
-        return
     assert isinstance(method, PackedBf16LinearMethod)
     packed = layer.packed_weight
     calls = []
@@ -106,7 +120,7 @@ def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_c
     torch.testing.assert_close(wide, x.double().matmul(w.double().T).float(), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 256, 300])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 17, 33, 256, 300])
 @pytest.mark.parametrize("i,k", [(1536, 576), (16, 2), (48, 34), (32, 1536), (8, 64)])
 def test_gate_up_silu_is_the_linear_then_silu_and_mul_bit_for_bit(m, i, k):
     """The fused pass rounds like the two ops it replaces; gate and up of 8 features (one
@@ -156,8 +170,7 @@ def test_a_packed_layer_holds_its_weight_once_and_still_answers_every_input():
     are computed from it as their 2-D rows would be."""
     w = torch.randn(96, 64).bfloat16()
     method, layer = loaded(w)
-    if not isinstance(method, PackedBf16LinearMethod):
-        pytest.skip("AMX CPU: oneDNN's packing (and the plain weight) are kept")
+    assert isinstance(method, PackedBf16LinearMethod)
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16
     assert torch.equal(method.weight(layer), w)
     ids = torch.tensor([[0, 17, 95], [16, 15, 3]])

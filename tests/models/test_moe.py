@@ -101,7 +101,7 @@ def test_bf16_layer_matches_per_token_float64_reference(tokens, weights_in_fp32)
 
 def test_bf16_experts_take_the_packed_kernel_or_the_streaming_one_for_few_rows(monkeypatch):
     """Where dense linears take pagedllm's packed kernel, bf16 experts are packed for it too
-    (every weight held once, in the packed form); elsewhere (AMX CPUs) few rows take the
+    (every weight held once, in the packed form: AMX CPUs too); elsewhere few rows take the
     weight-streaming kernel on the plain weight."""
     if not probes.has_avx512_bf16():
         pytest.skip("no AVX512-BF16 here: bf16 experts take F.linear")
@@ -117,7 +117,7 @@ def test_bf16_experts_take_the_packed_kernel_or_the_streaming_one_for_few_rows(m
     layer.use_kernel = False  # (the C++ path makes the same choice: equal results below)
     x, logits = inputs(4, 3)
     layer(x.bfloat16(), logits)
-    packs = probes.has_packed_linear() and not probes.amx_linear_rows()
+    packs = probes.has_packed_linear()
     assert layer.packed == packs
     used, unused = ("packed", "streaming") if packs else ("streaming", "packed")
     assert calls[used] and all(rows <= 3 for rows in calls[used]) and not calls[unused]
@@ -134,7 +134,7 @@ def test_bf16_experts_give_a_token_the_same_output_in_any_batch(weights_in_fp32)
     """A token's output does not depend on the other tokens of its step (which experts they
     share with it, how many rows each expert runs): alone and in batches of 1 to 40, bit for
     bit, where the experts take the packed kernel."""
-    if not (probes.has_packed_linear() and not probes.amx_linear_rows()):
+    if not probes.has_packed_linear():
         pytest.skip("bf16 experts are not packed on this CPU")
     layer = build(random_experts(9), 3, dtype=torch.bfloat16, weights_in_fp32=weights_in_fp32)
     x, logits = inputs(10, 40)

@@ -40,8 +40,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_bf16", &pagedllm::pack_linear_weight_bf16,
         "the bf16 weight [N, K] packed for packed_linear_bf16: [N/16, K/2, 16, 2]");
   m.def("packed_linear_bf16", &pagedllm::packed_linear_bf16,
-        "x w^T for bf16 rows x (any number) from the packed weight (AVX512-BF16); fp32_out: "
+        "x w^T for bf16 rows x (any number) from the packed weight (AMX or AVX512-BF16); "
+        "fp32_out: "
         "the fp32 sums, unrounded", py::arg("x"), py::arg("packed"), py::arg("fp32_out") = false);
+  m.def("packed_linear_uses_amx", &pagedllm::packed_linear_uses_amx,
+        "whether packed_linear_bf16 runs on AMX tiles here");
+  m.def("allow_amx_linear", &pagedllm::allow_amx_linear,
+        "tests: False makes packed_linear_bf16 take AVX512-BF16 dot products where AMX runs");
   m.def("packed_gate_up_silu_bf16", &pagedllm::packed_gate_up_silu_bf16,
         "silu(gate) * up of a packed [gate; up] projection in one pass (the results of "
         "packed_linear_bf16 then silu_and_mul)");

@@ -58,8 +58,13 @@ at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& w);
 // AVX512-BF16 dot products (packed_linear.cpp). Only built where the CPU has AVX512-BF16.
 at::Tensor pack_linear_weight_bf16(const at::Tensor& w);
 // fp32_out: the fp32 sums as they are (logits), not rounded to bf16.
+// Where amx_available() it runs on AMX tiles from the same packing (another order of the
+// sums: a process takes one path for every call).
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, bool fp32_out = false);
 bool has_packed_linear_bf16();
+bool packed_linear_uses_amx();
+// Tests: false makes packed_linear_bf16 take the dot products even where AMX runs.
+void allow_amx_linear(bool allowed);
 // silu(x gate^T) * (x up^T) from a gate/up projection packed the same way ([gate; up] rows),
 // with the results of packed_linear_bf16 followed by silu_and_mul, bit for bit.
 at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packed);

@@ -1,5 +1,6 @@
-// bf16 linear layers at any batch size on CPUs with AVX512-BF16 (and no AMX), from a weight
-// packed once for the AVX512-BF16 dot product.
+// bf16 linear layers at any batch size on CPUs with AVX512-BF16, from a weight packed once
+// for the AVX512-BF16 dot product; on CPUs with AMX the same packing feeds AMX tiles (below,
+// run_amx).
 //
 // VDPBF16PS multiplies 16 pairs of bf16 by 16 other pairs and adds each pair's two products
 // to one fp32 lane. With the weight packed as [N/16][K/2][16][2] (for each group of 16
@@ -19,11 +20,13 @@
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch.
+#include "amx.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #if defined(__AVX512BF16__)
@@ -159,9 +162,147 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
 }
 #endif
 
+#if defined(PAGEDLLM_AMX)
+// On AMX CPUs the same packing is the right operand of AMX's tile product as it stands: one
+// group's next 16 pairs of K ([16][16][2], 1 KB, contiguous) are a 16 x 32 bf16 tile in
+// pair order, and 16 rows of x by 32 inputs, read in place, are the left one. A work item
+// is a panel of 2 groups (gated: a gate group and its up group) against 32 rows at a time:
+// four 16 x 16 fp32 accumulator tiles, two weight tiles and two input tiles, the 8 tile
+// registers. Each output's sum runs over K in the same order whatever the batch (rows past
+// M are zeros in a padded copy of x), so a row's result does not depend on its batch here
+// either; it is not the dot-product path's sum (another order), so a process takes one path
+// for all its calls (allow_amx_linear is for tests).
+std::atomic<bool> amx_linear_allowed{true};
+
+// How far ahead of the tile loads a work item's first 32 rows prefetch each weight stream:
+// a one-row decode step read its weights 1.3x faster with it (the two streams of a panel are
+// a group apart, which the hardware prefetcher follows late).
+constexpr int64_t kAmxPrefetch = 4096;
+constexpr int64_t kAmxTileBytes = 1024;  // 16 pairs x 16 outputs x 2 bf16
+
+// acc[0..3] = rows (m, m + 16) x groups (a, b) over K; `rows2`: whether the second 16 rows
+// exist. Tiles: 0 (a, m), 1 (b, m), 2 (a, m + 16), 3 (b, m + 16); 4, 5 weights; 6, 7 x.
+template <bool kTwo>
+inline void amx_tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* a,
+                      const at::BFloat16* b, int64_t K, bool prefetch, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const char* pa = reinterpret_cast<const char*>(a) + kAmxPrefetch;
+  const char* pb = reinterpret_cast<const char*>(b) + kAmxPrefetch;
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    if (prefetch)
+      for (int64_t o = 0; o < kAmxTileBytes; o += 64) {
+        _mm_prefetch(pa + kb * kAmxTileBytes + o, _MM_HINT_T0);
+        _mm_prefetch(pb + kb * kAmxTileBytes + o, _MM_HINT_T0);
+      }
+    _tile_loadd(4, a + kb * 512, 64);
+    _tile_loadd(5, b + kb * 512, 64);
+    _tile_loadd(6, x + kb * 32, ldx * 2);
+    if constexpr (kTwo) _tile_loadd(7, x + 16 * ldx + kb * 32, ldx * 2);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 6, 5);
+    if constexpr (kTwo) {
+      _tile_dpbf16ps(2, 7, 4);
+      _tile_dpbf16ps(3, 7, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  if constexpr (kTwo) {
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+  }
+}
+
+// The dot-product path's stores for one accumulator row pair (gate/up rounded as tile()).
+template <bool kGated, typename Out>
+inline void amx_store(const float* ca, const float* cb, int64_t rows, Out* y, int64_t ldy,
+                      int64_t col_a, int64_t col_b) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 va = _mm512_load_ps(ca + r * 16), vb = _mm512_load_ps(cb + r * 16);
+    if constexpr (kGated) {
+      using pagedllm::round16;
+      const __m512 gate = round16<at::BFloat16>(va);
+      const __m512 e = pagedllm::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+      const __m512 silu =
+          round16<at::BFloat16>(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      pagedllm::store16(y + r * ldy + col_a, _mm512_mul_ps(silu, round16<at::BFloat16>(vb)));
+    } else {
+      pagedllm::store16(y + r * ldy + col_a, va);
+      if (col_b >= 0) pagedllm::store16(y + r * ldy + col_b, vb);
+    }
+  }
+}
+
+// run() on AMX tiles: items (chunk of rows, panel of 2 groups), a chunk's panels adjacent.
+// Plain: panel p is groups 2p and 2p + 1 (a last odd group runs beside itself, stored once).
+// Gated: panel p is gate group p and its up group.
+template <bool kGated, typename Out = at::BFloat16>
+void run_amx(const at::Tensor& x_in, const at::Tensor& packed, at::Tensor& y) {
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = y.size(1);
+  // rows as a whole number of 16-row tiles, the rest zeros (tiles read 16 rows)
+  const at::Tensor x = M % 16 == 0 ? x_in
+      : at::constant_pad_nd(x_in, {0, 0, 0, 16 - M % 16}, 0);
+  const int64_t ldx = x.stride(0), groups = packed.size(0);
+  const int64_t out_groups = N / kGroup;  // gated: the gate groups
+  const int64_t panels = kGated ? out_groups : (out_groups + 1) / 2;
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t group_size = K * kGroup;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  Out* yp = y.data_ptr<Out>();
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    pagedllm::configure_tiles();
+    alignas(64) float c[1024];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m0 = i / panels * kChunkRows, p = i % panels;
+      const int64_t rows = std::min(kChunkRows, M - m0);
+      const int64_t ga = kGated ? p : 2 * p;
+      const int64_t gb = kGated ? p + groups / 2 : std::min(2 * p + 1, out_groups - 1);
+      const at::BFloat16* a = wp + ga * group_size;
+      const at::BFloat16* b = wp + gb * group_size;
+      const int64_t col_a = (kGated ? p : ga) * kGroup, col_b = gb != ga ? gb * kGroup : -1;
+      for (int64_t m = 0; m < rows; m += 32) {
+        const at::BFloat16* xs = xp + (m0 + m) * ldx;
+        Out* ys = yp + (m0 + m) * N;
+        const int64_t left = rows - m;
+        if (left > 16) {
+          amx_tiles<true>(xs, ldx, a, b, K, m == 0, c);
+          amx_store<kGated>(c, c + 256, 16, ys, N, col_a, col_b);
+          amx_store<kGated>(c + 512, c + 768, std::min<int64_t>(16, left - 16), ys + 16 * N, N,
+                            col_a, col_b);
+        } else {
+          amx_tiles<false>(xs, ldx, a, b, K, m == 0, c);
+          amx_store<kGated>(c, c + 256, left, ys, N, col_a, col_b);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+bool use_amx() { return pagedllm::amx_available() && amx_linear_allowed.load(); }
+#else
+bool use_amx() { return false; }
+#endif
+
 }  // namespace
 
 namespace pagedllm {
+
+void allow_amx_linear(bool allowed) {
+#if defined(PAGEDLLM_AMX)
+  amx_linear_allowed.store(allowed);
+#else
+  (void)allowed;
+#endif
+}
+
+bool packed_linear_uses_amx() { return use_amx(); }
 
 bool has_packed_linear_bf16() {
 #if defined(__AVX512BF16__)
@@ -199,6 +340,15 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, boo
   at::Tensor y = at::empty({xc.size(0), packed.size(0) * kGroup},
                            x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
+#if defined(PAGEDLLM_AMX)
+  if (use_amx() && xc.size(1) % 32 == 0) {  // whole tiles of K; else the dot products
+    if (fp32_out)
+      run_amx<false, float>(xc, packed, y);
+    else
+      run_amx<false>(xc, packed, y);
+    return y;
+  }
+#endif
   if (fp32_out)
     run<false, float>(xc, packed, y);
   else
@@ -214,6 +364,12 @@ at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packe
   if (groups % 2 != 0) return silu_and_mul(packed_linear_bf16(xc, packed));
   at::Tensor y = at::empty({xc.size(0), groups / 2 * kGroup}, x.options());
 #if defined(__AVX512BF16__)
+#if defined(PAGEDLLM_AMX)
+  if (use_amx() && xc.size(1) % 32 == 0) {  // whole tiles of K; else the dot products
+    run_amx<true>(xc, packed, y);
+    return y;
+  }
+#endif
   run<true>(xc, packed, y);
 #endif
   return y;
