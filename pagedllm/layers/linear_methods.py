@@ -121,6 +121,8 @@ class PackedBf16LinearMethod(LinearMethod):
         self.fp32_out = fp32_out
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if probes.has_amx() and layer.weight.shape[-1] % 32 == 0:  # (the C++ kernel's choice)
+            self.kernel = "pagedllm packed bf16 on AMX tiles"
         layer.packed_weight = ops.pack_linear_weight_bf16(layer.weight.detach())
         _free_weight(layer)
 

@@ -101,6 +101,8 @@ def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_c
     assert isinstance(fp32_method, TorchLinearMethod) and fp32.packed_weight is None
     assert isinstance(odd_method, OneDNNLinearMethod) and odd.packed_weight is not None
     assert isinstance(method, PackedBf16LinearMethod)
+    # the load log names the path (K = 128: whole AMX tiles)
+    assert ("AMX tiles" in method.kernel) == probes.has_amx()
     packed = layer.packed_weight
     calls = []
     kernel = ext.packed_linear_bf16
