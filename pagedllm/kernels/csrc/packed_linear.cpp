@@ -174,14 +174,15 @@ void run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
 // for all its calls (allow_amx_linear is for tests).
 std::atomic<bool> amx_linear_allowed{true};
 
-// How far ahead of the tile loads a work item's first 32 rows prefetch each weight stream:
-// a one-row decode step read its weights 1.3x faster with it (the two streams of a panel are
-// a group apart, which the hardware prefetcher follows late).
+// How far ahead of the tile loads a work item's first 32 rows prefetch each weight stream
+// (the two streams of a panel are a group apart, which the hardware prefetcher follows late):
+// in a trial of the same loop with the weight as the left operand, a one-row step over
+// Qwen2.5-0.5B's weights took 57 ms with it and 75 without (Xeon, 2 threads).
 constexpr int64_t kAmxPrefetch = 4096;
 constexpr int64_t kAmxTileBytes = 1024;  // 16 pairs x 16 outputs x 2 bf16
 
-// acc[0..3] = rows (m, m + 16) x groups (a, b) over K; `rows2`: whether the second 16 rows
-// exist. Tiles: 0 (a, m), 1 (b, m), 2 (a, m + 16), 3 (b, m + 16); 4, 5 weights; 6, 7 x.
+// c = rows (m, m + 16 if kTwo) x groups (a, b), summed over K, as 16 x 16 fp32 tiles in
+// that order. Tiles: 0 (a, m), 1 (b, m), 2 (a, m + 16), 3 (b, m + 16); 4, 5 weights; 6, 7 x.
 template <bool kTwo>
 inline void amx_tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* a,
                       const at::BFloat16* b, int64_t K, bool prefetch, float* c) {
