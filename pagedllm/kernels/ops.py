@@ -98,6 +98,11 @@ def pack_linear_weight_bf16(w: Tensor) -> Tensor:
     return _ext.pack_linear_weight_bf16(w)
 
 
+def packed_linear_uses_amx(k: int) -> bool:
+    """Whether packed_linear_bf16 runs on AMX tiles here for inputs of k features."""
+    return _ext.packed_linear_uses_amx(k)
+
+
 def allow_amx_linear(allowed: bool) -> None:
     """Tests: False makes packed_linear_bf16 take AVX512-BF16 dot products where AMX runs."""
     _ext.allow_amx_linear(allowed)

@@ -121,7 +121,7 @@ class PackedBf16LinearMethod(LinearMethod):
         self.fp32_out = fp32_out
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if probes.has_amx() and layer.weight.shape[-1] % 32 == 0:  # (the C++ kernel's choice)
+        if ops.packed_linear_uses_amx(layer.weight.shape[-1]):
             self.kernel = "pagedllm packed bf16 on AMX tiles"
         layer.packed_weight = ops.pack_linear_weight_bf16(layer.weight.detach())
         _free_weight(layer)
@@ -190,15 +190,6 @@ def keeps_two_forms() -> bool:
     whose weight-streaming and AMX kernels read it for few rows (oneDNN's packing is opaque;
     no kernel of ours reads it). Such linears hold twice their bf16 bytes."""
     return probes.has_avx512_bf16()
-
-
-def linear_weight_forms(dtype: torch.dtype, device_type: str) -> int:
-    """How many forms a model's linears will hold their weights in (for the memory check
-    before loading): 1 where bf16 linears take the packed kernel (its packing is their only
-    form); 2 for bf16 on a CPU with AMX but no packed kernel (the oneDNN method keeps the
-    plain weight beside its packing); else 1."""
-    amx = device_type == "cpu" and dtype == torch.bfloat16 and probes.amx_linear_rows() > 0
-    return 2 if amx and keeps_two_forms() and not probes.has_packed_linear() else 1
 
 
 def select_linear_method(weight: torch.Tensor, fp32_out: bool = False) -> LinearMethod:

@@ -29,7 +29,8 @@ def isa(request):
         pytest.skip("this CPU has no AMX-BF16: the kernel's AMX path is not run here")
     ext.allow_amx_linear(request.param == "amx")
     try:
-        assert ext.packed_linear_uses_amx() == (request.param == "amx")
+        assert ext.packed_linear_uses_amx(64) == (request.param == "amx")
+        assert not ext.packed_linear_uses_amx(34)  # K not whole tiles: the dot products
         yield request.param
     finally:
         ext.allow_amx_linear(True)
@@ -90,7 +91,7 @@ def test_bad_shapes_are_clear_errors():
         ext.packed_linear_bf16(torch.randn(2, 64).bfloat16(), torch.randn(48, 64).bfloat16())
 
 
-def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_count(monkeypatch):
+def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_count(monkeypatch, isa):
     """A bf16 weight with N % 16 == 0 and K even is packed for pagedllm's kernel (on AMX
     CPUs too), and its method sends every row count to it (bias added after); other shapes
     keep oneDNN's packing, fp32 weights none."""
@@ -101,8 +102,8 @@ def test_bf16_weights_are_packed_for_it_where_it_runs_and_take_it_at_every_row_c
     assert isinstance(fp32_method, TorchLinearMethod) and fp32.packed_weight is None
     assert isinstance(odd_method, OneDNNLinearMethod) and odd.packed_weight is not None
     assert isinstance(method, PackedBf16LinearMethod)
-    # the load log names the path (K = 128: whole AMX tiles)
-    assert ("AMX tiles" in method.kernel) == probes.has_amx()
+    # the load log names the path it takes (K = 128: whole AMX tiles where AMX runs)
+    assert ("AMX tiles" in method.kernel) == (isa == "amx")
     packed = layer.packed_weight
     calls = []
     kernel = ext.packed_linear_bf16

@@ -41,10 +41,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the bf16 weight [N, K] packed for packed_linear_bf16: [N/16, K/2, 16, 2]");
   m.def("packed_linear_bf16", &pagedllm::packed_linear_bf16,
         "x w^T for bf16 rows x (any number) from the packed weight (AMX or AVX512-BF16); "
-        "fp32_out: "
-        "the fp32 sums, unrounded", py::arg("x"), py::arg("packed"), py::arg("fp32_out") = false);
+        "fp32_out: the fp32 sums, unrounded",
+        py::arg("x"), py::arg("packed"), py::arg("fp32_out") = false);
   m.def("packed_linear_uses_amx", &pagedllm::packed_linear_uses_amx,
-        "whether packed_linear_bf16 runs on AMX tiles here");
+        "whether packed_linear_bf16 runs on AMX tiles here for inputs of k features",
+        py::arg("k"));
   m.def("allow_amx_linear", &pagedllm::allow_amx_linear,
         "tests: False makes packed_linear_bf16 take AVX512-BF16 dot products where AMX runs");
   m.def("packed_gate_up_silu_bf16", &pagedllm::packed_gate_up_silu_bf16,

@@ -62,7 +62,8 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& w);
 // sums: a process takes one path for every call).
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, bool fp32_out = false);
 bool has_packed_linear_bf16();
-bool packed_linear_uses_amx();
+// Whether it runs on AMX tiles for inputs of k features (AMX here, k a multiple of 32).
+bool packed_linear_uses_amx(int64_t k);
 // Tests: false makes packed_linear_bf16 take the dot products even where AMX runs.
 void allow_amx_linear(bool allowed);
 // silu(x gate^T) * (x up^T) from a gate/up projection packed the same way ([gate; up] rows),

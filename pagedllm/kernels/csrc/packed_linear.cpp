@@ -81,6 +81,18 @@ inline void dot_tile(__m512 (&acc)[MR][NG], const at::BFloat16* x, int64_t ldx,
   }
 }
 
+// silu(gate) * up from the fp32 sums of a gate and an up group, rounded as
+// packed_linear_bf16 followed by silu_and_mul round (the sums to bf16, SiLU's result to
+// bf16; the product is rounded by the store).
+inline __m512 silu_times_up(__m512 gate_sum, __m512 up_sum) {
+  using pagedllm::round16;
+  const __m512 gate = round16<at::BFloat16>(gate_sum);
+  const __m512 e = pagedllm::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+  const __m512 silu =
+      round16<at::BFloat16>(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  return _mm512_mul_ps(silu, round16<at::BFloat16>(up_sum));
+}
+
 // One tile of `rows` (1..MR) rows: y[0:rows] = x[0:rows] . w, or for a gated tile
 // silu(gate) * up with the roundings of packed_linear_bf16 followed by silu_and_mul (the
 // gate and up sums to bf16, SiLU's result to bf16, the product to bf16), so the fused
@@ -97,15 +109,8 @@ inline void tile(int64_t rows, const at::BFloat16* x, int64_t ldx, const at::BFl
   for (int m = 0; m < MR; ++m) {
     if constexpr (kGated) {
 #pragma GCC unroll 16
-      for (int g = 0; g < NG / 2; ++g) {
-        using pagedllm::round16;
-        const __m512 gate = round16<at::BFloat16>(acc[m][g]);
-        const __m512 e = pagedllm::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-        const __m512 silu =
-            round16<at::BFloat16>(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        pagedllm::store16(y + m * ldy + g * kGroup,
-                          _mm512_mul_ps(silu, round16<at::BFloat16>(acc[m][g + NG / 2])));
-      }
+      for (int g = 0; g < NG / 2; ++g)
+        pagedllm::store16(y + m * ldy + g * kGroup, silu_times_up(acc[m][g], acc[m][g + NG / 2]));
     } else {
 #pragma GCC unroll 16
       for (int g = 0; g < NG; ++g) pagedllm::store16(y + m * ldy + g * kGroup, acc[m][g]);
@@ -219,19 +224,14 @@ inline void amx_tiles(const at::BFloat16* x, int64_t ldx, const at::BFloat16* a,
   }
 }
 
-// The dot-product path's stores for one accumulator row pair (gate/up rounded as tile()).
+// The rows of a pair of accumulator tiles stored as tile() stores its accumulators.
 template <bool kGated, typename Out>
 inline void amx_store(const float* ca, const float* cb, int64_t rows, Out* y, int64_t ldy,
                       int64_t col_a, int64_t col_b) {
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 va = _mm512_load_ps(ca + r * 16), vb = _mm512_load_ps(cb + r * 16);
     if constexpr (kGated) {
-      using pagedllm::round16;
-      const __m512 gate = round16<at::BFloat16>(va);
-      const __m512 e = pagedllm::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-      const __m512 silu =
-          round16<at::BFloat16>(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-      pagedllm::store16(y + r * ldy + col_a, _mm512_mul_ps(silu, round16<at::BFloat16>(vb)));
+      pagedllm::store16(y + r * ldy + col_a, silu_times_up(va, vb));
     } else {
       pagedllm::store16(y + r * ldy + col_a, va);
       if (col_b >= 0) pagedllm::store16(y + r * ldy + col_b, vb);
@@ -286,9 +286,12 @@ void run_amx(const at::Tensor& x_in, const at::Tensor& packed, at::Tensor& y) {
   });
 }
 
-bool use_amx() { return pagedllm::amx_available() && amx_linear_allowed.load(); }
+// Whether inputs of K features take the AMX path: whole tiles of K (else the dot products).
+bool use_amx(int64_t K) {
+  return pagedllm::amx_available() && amx_linear_allowed.load() && K % 32 == 0;
+}
 #else
-bool use_amx() { return false; }
+bool use_amx(int64_t) { return false; }
 #endif
 
 }  // namespace
@@ -303,7 +306,7 @@ void allow_amx_linear(bool allowed) {
 #endif
 }
 
-bool packed_linear_uses_amx() { return use_amx(); }
+bool packed_linear_uses_amx(int64_t k) { return use_amx(k); }
 
 bool has_packed_linear_bf16() {
 #if defined(__AVX512BF16__)
@@ -342,7 +345,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, boo
                            x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
 #if defined(PAGEDLLM_AMX)
-  if (use_amx() && xc.size(1) % 32 == 0) {  // whole tiles of K; else the dot products
+  if (use_amx(xc.size(1))) {
     if (fp32_out)
       run_amx<false, float>(xc, packed, y);
     else
@@ -366,7 +369,7 @@ at::Tensor packed_gate_up_silu_bf16(const at::Tensor& x, const at::Tensor& packe
   at::Tensor y = at::empty({xc.size(0), groups / 2 * kGroup}, x.options());
 #if defined(__AVX512BF16__)
 #if defined(PAGEDLLM_AMX)
-  if (use_amx() && xc.size(1) % 32 == 0) {  // whole tiles of K; else the dot products
+  if (use_amx(xc.size(1))) {
     run_amx<true>(xc, packed, y);
     return y;
   }
