@@ -27,7 +27,6 @@ from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, rank0_dist_info
 from pagedllm.engine.tp.worker import serve_worker_rank, worker_main
 from pagedllm.layers.gguf_packing import SUPPORTED_TYPES
-from pagedllm.layers.linear_methods import linear_weight_forms
 from pagedllm.layers.structured_output import GrammarCompiler
 from pagedllm.loader import ModelSource, load_model_source
 from pagedllm.loader.model_loader import resident_line
@@ -129,7 +128,6 @@ class LLMEngine:
                      if config.device == "cuda" else available_memory_bytes())
         check_fits_in_memory(source.config, config.torch_dtype, available,
                              source.path, KVCacheShape.of(config, source.config).block_bytes,
-                             linear_weight_forms(config.torch_dtype, config.device),
                              source.kept_size(keep))
         dist_info = workers = None
         if config.tensor_parallel_size > 1:  # rank 0: the other ranks join it, or it starts them

@@ -83,20 +83,17 @@ def _size(nbytes: int) -> str:
 
 
 def check_fits_in_memory(config: ModelConfig, dtype: torch.dtype, available: int, path: str,
-                         kv_bytes: int = 0, weight_forms: int = 1,
-                         kept: tuple[int, int] = (0, 0)) -> None:
+                         kv_bytes: int = 0, kept: tuple[int, int] = (0, 0)) -> None:
     """Refuse, before allocating, a model that cannot fit in ``available`` bytes: its weights
-    and buffers in ``dtype`` (linears held in ``weight_forms`` forms: 2 where oneDNN's packing
-    sits beside the plain weight) plus ``kv_bytes``, the least KV cache the engine runs with.
+    and buffers in ``dtype`` (each held once) plus ``kv_bytes``, the least KV cache the engine
+    runs with.
     kept: (elements, file bytes) of a GGUF's weights kept quantized, held as their packing
     (at most 1.05x the file's bytes) instead of in ``dtype``."""
     elements, file_bytes = kept
-    weights = ((model_bytes(config, dtype) - elements * dtype.itemsize) * weight_forms
-               + int(file_bytes * 1.05))
+    weights = model_bytes(config, dtype) - elements * dtype.itemsize + int(file_bytes * 1.05)
     if weights + kv_bytes > available:
         kv = f" and {_size(kv_bytes)} of KV cache at the least" if kv_bytes else ""
-        forms = " (held twice: plain and oneDNN-packed)" if weight_forms > 1 else ""
         raise ModelLoadError(
-            f"{path!r}: the model needs {weights / 2**30:.1f} GiB of weights{forms}{kv} "
+            f"{path!r}: the model needs {weights / 2**30:.1f} GiB of weights{kv} "
             f"({str(dtype).removeprefix('torch.')}, {config.num_hidden_layers} layers, context "
             f"{config.max_position_embeddings}), {available / 2**30:.1f} GiB available")

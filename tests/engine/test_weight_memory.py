@@ -15,7 +15,6 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine import llm_engine
 from pagedllm.kernels import probes
 from pagedllm.layers.linear import LinearLayer
-from pagedllm.layers.linear_methods import linear_weight_forms
 from pagedllm.loader import ModelLoadError, load_model_source
 from pagedllm.loader.validate import weight_numel
 from pagedllm.memory import resident_bytes
@@ -23,12 +22,6 @@ from tiny_models import make_qwen3_dir  # tests/ (pytest prepends the rootdir)
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_RATIO = 1.15  # weights once, plus rotary tables and norms
-
-pytestmark = pytest.mark.skipif(
-    linear_weight_forms(torch.bfloat16, "cpu") == 2,
-    reason="AMX CPU without the packed kernel: bf16 linears keep oneDNN's packing beside the "
-           "plain weight (~2x)")
-
 
 @pytest.fixture
 def load_log(caplog):
