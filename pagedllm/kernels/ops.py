@@ -144,13 +144,13 @@ def gguf_dequantize_rows(packed: Tensor, qtype: int, n: int, k: int, rows: Tenso
 
 
 def gguf_linear_isa() -> str:
-    """What gguf_linear runs on: 'avx512_bf16', 'avx2' or '' (neither built)."""
+    """What gguf_linear runs on: 'amx', 'avx512_bf16', 'avx2' or '' (neither built)."""
     return _ext.gguf_linear_isa()
 
 
 def force_gguf_linear_isa(isa: str) -> None:
-    """Tests: 'avx2' makes gguf_linear take its AVX2 path even where AVX512-BF16 runs;
-    '' the best built."""
+    """'amx': gguf_linear runs on AMX tiles from now on, every call (the engine's gguf_amx);
+    'avx2' (tests): its AVX2 path even where AVX512-BF16 runs; '': the best dot products."""
     _ext.force_gguf_linear_isa(isa)
 
 

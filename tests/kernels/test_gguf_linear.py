@@ -1,5 +1,5 @@
 """GGUF weights kept quantized (layers/gguf_packing.py, csrc/gguf_linear.cpp), for every
-type the kernel takes and both of its paths (AVX512-BF16, AVX2): the kernel computes x . w
+type the kernel takes and each of its paths (AMX, AVX512-BF16, AVX2): the kernel computes x . w
 with the exact weights gguf.quants.dequantize gives (against a float64 product) around every
 tile and block edge, a row's result does not depend on its batch or the thread count, out=
 writes only its columns, the packed form gives back the exact weights and stays within
@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from cpu_features import cpu_flags
+from cpu_features import cpu_flags, cpu_has_amx_bf16
 from pagedllm.kernels import build, ops
 from pagedllm.layers.gguf_packing import (SUPPORTED_TYPES, can_pack, dequantize_packed_rows,
                                           gguf_nbytes, pack_gguf, packed_nbytes)
@@ -24,7 +24,9 @@ pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the GGUF kernel needs AVX2
 # Byte offsets of each type's fp16 fields in its GGUF block (d; Q4_1's m; the K-quants' dmin).
 FP16_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
                Q.Q6_K: [208]}
-ISAS = [pytest.param("avx512_bf16", marks=pytest.mark.skipif(
+ISAS = [pytest.param("amx", marks=pytest.mark.skipif(
+            not cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16")),
+        pytest.param("avx512_bf16", marks=pytest.mark.skipif(
             not HAS_AVX512_BF16, reason="this CPU has no AVX512-BF16")), "avx2"]
 TYPES = [pytest.param(t, id=t.name) for t in SUPPORTED_TYPES]
 
@@ -38,7 +40,7 @@ def ext():
 
 @pytest.fixture(params=ISAS)
 def isa(request, ext):
-    ops.force_gguf_linear_isa("avx2" if request.param == "avx2" else "")
+    ops.force_gguf_linear_isa("" if request.param == "avx512_bf16" else request.param)
     assert ops.gguf_linear_isa() == request.param
     yield request.param
     ops.force_gguf_linear_isa("")
@@ -147,6 +149,36 @@ def test_the_avx2_path_agrees_with_the_avx512_path(ext, qtype):
     assert ((avx2.double() - avx512.double()).abs() <= bound).all()
 
 
+@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_amx_path_agrees_with_the_dot_products_and_stays_chosen(ext, qtype):
+    """AMX tiles (a process's choice) against the AVX-512 dot products: within the kernel's
+    bound of each other, and every call takes AMX once asked, one row included."""
+    n, k = 80, 2 * block_of(qtype)
+    raw = random_gguf(qtype, n, k, seed=6)
+    packed, w = pack_gguf(qtype, raw, n, k), dequantized(qtype, raw, n, k)
+    x = torch.randn(20, k).bfloat16()
+    dots = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
+    try:
+        ops.force_gguf_linear_isa("amx")
+        assert ops.gguf_linear_isa() == "amx"
+        tiles = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
+        one = ops.gguf_linear(x[:1], packed, int(qtype), n, fp32_out=True)
+    finally:
+        ops.force_gguf_linear_isa("")
+    assert ops.gguf_linear_isa() == "avx512_bf16"
+    bound = (x.double().abs() @ w.double().abs().T) * 2**-11  # each within 2^-12
+    assert ((tiles.double() - dots.double()).abs() <= bound).all()
+    assert torch.equal(one, tiles[:1])
+
+
+@pytest.mark.skipif(cpu_has_amx_bf16(), reason="this CPU has AMX-BF16")
+def test_amx_tiles_are_refused_where_the_cpu_has_none(ext):
+    with pytest.raises(RuntimeError, match="AMX tiles need a CPU with AMX-BF16"):
+        ops.force_gguf_linear_isa("amx")
+    assert ops.gguf_linear_isa() != "amx"
+
+
 @pytest.mark.parametrize("qtype", [pytest.param(Q.Q4_K, id="Q4_K"), pytest.param(Q.Q8_0, id="Q8_0")])
 @pytest.mark.parametrize("fp32_out", [False, True])
 def test_out_writes_only_its_column_slice(isa, qtype, fp32_out):
@@ -220,7 +252,7 @@ def test_bad_inputs_are_refused_with_clear_errors(ext):
         ops.gguf_linear(x, packed, int(Q.Q4_K), 64, out=torch.empty(2, 64))
     with pytest.raises(RuntimeError, match="outside 0..63"):
         dequantize_packed_rows(packed, Q.Q4_K, 64, 256, torch.tensor([64]))
-    with pytest.raises(RuntimeError, match="avx2"):
+    with pytest.raises(RuntimeError, match="amx"):
         ops.force_gguf_linear_isa("sse")
 
 

@@ -22,11 +22,13 @@ from gguf import GGMLQuantizationType as Q
 from family_harness import (Family, build, first_difference, greedy, hf_greedy,
                             max_logit_error, prompt_ids)
 from test_moe import _decisive_routing  # tests/models (pytest's rootdir path)
+from cpu_features import cpu_has_amx_bf16
 from pagedllm import LLM
 from pagedllm.kernels import ops, probes
 from pagedllm.layers import quantized
 from pagedllm.layers.gguf_packing import SUPPORTED_TYPES
 from pagedllm.layers.linear import LinearBase
+from pagedllm.loader.model_loader import linear_kernels
 from pagedllm.layers.moe import FusedMoE
 
 K_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -153,17 +155,44 @@ def _assert_close_to_hf(llm: LLM, built, prompts, reference) -> None:
     assert agreed >= len(prompts) * 16 // 2, agreed
 
 
-@pytest.mark.parametrize("isa", ["best", "avx2"])
+NO_AMX = pytest.mark.skipif(not cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16")
+
+
+@pytest.mark.parametrize("isa", ["best", "avx2", pytest.param("amx", marks=NO_AMX)])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kept_quantized_greedy_is_close_to_hf(models, family, isa):
     built, prompts, reference = models(family)
-    llm = _engine(built)
+    llm = _engine(built, gguf_amx=isa == "amx")
     if isa == "avx2":
         ops.force_gguf_linear_isa("avx2")
     try:
+        assert (ops.gguf_linear_isa() == "amx") == (isa == "amx")
         _assert_close_to_hf(llm, built, prompts, reference)
     finally:
         ops.force_gguf_linear_isa("")
+
+
+@NO_AMX
+def test_gguf_amx_takes_tiles_for_every_batch_and_is_undone_by_the_next_engine(models):
+    """gguf_amx: the linears name the AMX path, each prompt alone gives the tokens it gives
+    in the batch (one row and many on the same path), and an engine loaded after without
+    the option is back on the dot products."""
+    built, prompts, _ = models("llama-q4_k_m")
+    llm = _engine(built, gguf_amx=True)
+    kernels = linear_kernels(llm.engine.model_runner.model)
+    assert "gguf_linear (amx)" in kernels and "avx512" not in kernels, kernels
+    together = [o.token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+    alone = [llm.generate([p], greedy(16), use_tqdm=False)[0].token_ids for p in prompts]
+    assert alone == together
+    _engine(built)
+    assert ops.gguf_linear_isa() == "avx512_bf16"
+
+
+@pytest.mark.skipif(cpu_has_amx_bf16(), reason="this CPU has AMX-BF16")
+def test_gguf_amx_is_refused_without_amx(models):
+    built, _, _ = models("llama-q4_k_m")
+    with pytest.raises(ValueError, match="gguf_amx needs a CPU with AMX-BF16"):
+        _engine(built, gguf_amx=True)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

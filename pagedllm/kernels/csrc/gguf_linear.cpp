@@ -59,6 +59,7 @@
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
 // sums in another order (its results differ from the AVX-512 path's in the last bits).
+#include "amx.h"
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -496,6 +497,142 @@ void interleave_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K
 }
 #endif  // GGUF_AVX512
 
+// ---- AMX (AMX-BF16) --------------------------------------------------------------------
+// On CPUs with AMX the same sums run on tiles: per scale unit, the unit's 16 pairs of q' for
+// a group (decode512's vectors, one after the other: 1 KB) are a 32 x 16 right operand as
+// they stand, and 16 rows of x by the unit's 32 inputs, read in place, the left one. One
+// tile product gives x . q' for 16 rows by 16 outputs; each is then scaled by s and
+// corrected by c sum(x) in fp32 as on the dot-product path. (Q6_K's 16-input units: 8 pairs
+// and 16 inputs a product.) A work item is a chunk of rows by a panel (few rows) or half a
+// panel: per scale unit it decodes its groups' quants once into a scratch of tiles, then
+// runs every 16 rows of the chunk against them, the sums kept in a per-thread fp32 buffer.
+// AMX sums a tile product's pairs in its own way (wider than fp32 within a product, not
+// VDPBF16PS's sequential rounding), so a process that takes AMX takes it for every call,
+// one row included: a row's result does not depend on its batch here either, and differs
+// from the dot-product path's in the last bits. It is a process's choice, not the default:
+// on the 2-core Xeon it ran 9 to 256 rows 2.8-4x faster than the dot products and one row
+// 1.6-2.2x slower (storing the decoded q' for the tile loads, 64 stores a unit and panel,
+// costs about what the dot products' whole one-row work does); docs/quantization.md.
+#if defined(PAGEDLLM_AMX) && defined(GGUF_AVX512)
+#define GGUF_AMX 1
+constexpr int64_t kAmxChunkRows = 128;  // rows per work item
+constexpr int64_t kAmxFewRows = 16;     // up to this many, work items of whole panels
+
+template <QType T, typename Out>
+void run_amx(const at::Tensor& x_in, const uint8_t* packed, int64_t n, Out* y, int64_t ldy) {
+  using F = Format<T>;
+  constexpr int kSubs = F::kSubs, kPairs = kUnitPairs<T>;
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  // M over 16: whole 16-row tiles, the rest zeros; fewer: tiles of M rows
+  const at::Tensor x = M <= 16 || M % 16 == 0 ? x_in
+      : at::constant_pad_nd(x_in, {0, 0, 0, 16 - M % 16}, 0);
+  const int64_t ldx = x.stride(0), tile_rows = std::min<int64_t>(M, 16);
+  const Shape sh = shape_of<T>(n, K);
+  const int64_t width = kUnitInputs / kSubs, per_row = K / width;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  std::vector<float> sums(M * per_row);
+  unit_sums512(xp, ldx, M, K, width, F::kFold != 0.f ? F::kFold : 1.f, sums.data());
+  const bool whole = M <= kAmxFewRows;
+  const int64_t items_per_chunk = whole ? sh.panels : sh.groups / 2;
+  const int64_t chunks = (M + kAmxChunkRows - 1) / kAmxChunkRows;
+  at::parallel_for(0, chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
+    // tiles 0-3: a group's sums; 4: x; 5-7: q'
+    struct alignas(64) {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t colsb[16] = {};
+      uint8_t rows[16] = {};
+    } config;
+    for (int t = 0; t < 4; ++t) config.colsb[t] = 64, config.rows[t] = tile_rows;
+    config.colsb[4] = 2 * width, config.rows[4] = tile_rows;
+    for (int t = 5; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kPairs;
+    _tile_loadconfig(&config);
+    // a unit's q', group after group; units alternate between two, so that decoding the next
+    // unit does not wait for the tile loads of this one
+    alignas(64) __m512i q[2][kPanelGroups * 16];
+    alignas(64) float c_tiles[kPanelGroups][16 * kGroup];
+    static thread_local std::vector<float> acc_buffer;
+    acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
+    float* acc = acc_buffer.data();
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t m0 = it / items_per_chunk * kAmxChunkRows, item = it % items_per_chunk;
+      const int64_t rows = std::min(kAmxChunkRows, M - m0);
+      const int64_t panel = whole ? item : item / 2;
+      const int64_t G = sh.groups_in(panel), g0 = whole ? 0 : item % 2 * 2;
+      const int64_t NG = whole ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
+      const int64_t cols = std::min(NG * kGroup, n - col0), ld_acc = NG * kGroup;
+      const uint8_t* w = packed + panel * sh.panel_bytes;
+      const float* xs = sums.data() + m0 * per_row;
+      const int64_t ahead = prefetch_distance<T>(G);
+      std::fill(acc, acc + rows * ld_acc, 0.f);
+      for (int64_t b = 0; b < sh.blocks; ++b) {
+        const uint8_t* blk = w + b * G * kGroupBlock<T>;
+        for (int i = 0; i < kUnits<T>; ++i) {
+          const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+          const int unit_parity = i % 2;
+          for (int64_t g = 0; g < NG; ++g)
+            for (int u = 0; u < 4; ++u) {
+              if (whole && g == 0)
+                prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+#pragma GCC unroll 4
+              for (int s = 0; s < 4; ++s)
+                _mm512_store_si512(&q[unit_parity][g * 16 + 4 * u + s],
+                                   reinterpret_cast<__m512i>(decode512<T>(units + g * F::kUnit, u, s)));
+            }
+#pragma GCC unroll 2
+          for (int h = 0; h < kSubs; ++h) {
+            const int sub = i * kSubs + h;
+            const int64_t su = b * kUnits<T> * kSubs + sub;
+            __m512 s[kPanelGroups], c[kPanelGroups];
+            for (int64_t g = 0; g < NG; ++g) scales512<T>(blk + (g0 + g) * F::kHeader, sub, s[g], c[g]);
+            for (int64_t m = 0; m < rows; m += 16) {
+              _tile_loadd(4, xp + (m0 + m) * ldx + b * F::kBlock + i * kUnitInputs + h * width,
+                          ldx * 2);
+              // (tile numbers are immediates: the groups unrolled by hand; three tiles of
+              // q', so that a load waits on one product only)
+              const __m512i* qs = q[unit_parity];
+              _tile_loadd(5, qs + h * kPairs, 64);
+              _tile_loadd(6, qs + 16 + h * kPairs, 64);
+              if (NG == 4) _tile_loadd(7, qs + 32 + h * kPairs, 64);
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_dpbf16ps(0, 4, 5);
+              _tile_dpbf16ps(1, 4, 6);
+              if (NG == 4) {
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, qs + 48 + h * kPairs, 64);
+                _tile_dpbf16ps(3, 4, 5);
+              }
+              _tile_stored(0, c_tiles[0], 64);
+              _tile_stored(1, c_tiles[1], 64);
+              if (NG == 4) {
+                _tile_stored(2, c_tiles[2], 64);
+                _tile_stored(3, c_tiles[3], 64);
+              }
+              const int64_t r = std::min<int64_t>(16, rows - m);
+              for (int64_t j = 0; j < r; ++j) {
+                const float x_sum = xs[(m + j) * per_row + su];
+                float* a = acc + (m + j) * ld_acc;
+                for (int64_t g = 0; g < NG; ++g) {
+                  __m512 part = _mm512_load_ps(c_tiles[g] + j * kGroup);
+                  if constexpr (F::kFold != 0.f) part = _mm512_add_ps(part, _mm512_set1_ps(x_sum));
+                  __m512 v = _mm512_fmadd_ps(part, s[g], _mm512_loadu_ps(a + g * kGroup));
+                  if constexpr (kAddOffset512<T>) v = _mm512_fmadd_ps(_mm512_set1_ps(x_sum), c[g], v);
+                  _mm512_storeu_ps(a + g * kGroup, v);
+                }
+              }
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < rows; ++j) store_row(y + (m0 + j) * ldy + col0, acc + j * ld_acc, cols);
+    }
+    _tile_release();
+  });
+}
+#endif  // GGUF_AMX
+
 // ---- AVX2 + FMA + F16C -----------------------------------------------------------------
 // Integer dot products: x is rounded to 16-bit integers per scale unit (x ~ xs xq, xs a
 // power of two: x's elements within 2^7 of the unit's largest are exact, the rest err by at
@@ -733,13 +870,18 @@ void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
 }
 #endif  // GGUF_AVX2
 
-// Which path gguf_linear takes: the best built, unless tests asked for AVX2.
-std::atomic<bool> force_avx2{false};
+// Which path gguf_linear takes: the dot products (AVX-512, else AVX2), or AMX tiles where a
+// process asked for them (engine option gguf_amx); tests may ask for AVX2 where AVX-512 runs.
+enum class Isa { kNone, kAvx2, kAvx512, kAmx };
+std::atomic<Isa> forced_isa{Isa::kNone};
 
-enum class Isa { kNone, kAvx2, kAvx512 };
 Isa current_isa() {
+  const Isa forced = forced_isa.load();
+#if defined(GGUF_AMX)
+  if (forced == Isa::kAmx) return Isa::kAmx;
+#endif
 #if defined(GGUF_AVX512)
-  if (!force_avx2.load()) return Isa::kAvx512;
+  if (forced != Isa::kAvx2) return Isa::kAvx512;
 #endif
 #if defined(GGUF_AVX2)
   return Isa::kAvx2;
@@ -753,6 +895,9 @@ Isa current_isa() {
 template <QType T, typename Out>
 void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t ldy, Isa isa) {
   using F = Format<T>;
+#if defined(GGUF_AMX)
+  if (isa == Isa::kAmx) return run_amx<T>(x, packed, n, y, ldy);
+#endif
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   const Shape sh = shape_of<T>(n, K);
   const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
@@ -948,6 +1093,7 @@ namespace pagedllm {
 
 std::string gguf_linear_isa() {
   switch (current_isa()) {
+    case Isa::kAmx: return "amx";
     case Isa::kAvx512: return "avx512_bf16";
     case Isa::kAvx2: return "avx2";
     default: return "";
@@ -955,8 +1101,16 @@ std::string gguf_linear_isa() {
 }
 
 void force_gguf_linear_isa(const std::string& isa) {
-  TORCH_CHECK(isa.empty() || isa == "avx2", "force_gguf_linear_isa: \"avx2\" or \"\", got \"", isa, "\"");
-  force_avx2 = isa == "avx2";
+  TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "amx",
+              "force_gguf_linear_isa: \"amx\", \"avx2\" or \"\", got \"", isa, "\"");
+#if defined(GGUF_AMX)
+  const bool amx = amx_available();
+#else
+  const bool amx = false;
+#endif
+  TORCH_CHECK(isa != "amx" || amx, "force_gguf_linear_isa: AMX tiles need a CPU with AMX-BF16 "
+              "and a build for it");
+  forced_isa = isa == "avx2" ? Isa::kAvx2 : isa == "amx" ? Isa::kAmx : Isa::kNone;
 }
 
 int64_t gguf_packed_nbytes(int64_t qtype, int64_t n, int64_t k) {
