@@ -22,19 +22,24 @@ inline bool amx_permitted() {
   return ok;
 }
 
-// Eight tiles of 16 rows x 64 bytes: 16 x 32 bf16 operands, 16 x 16 fp32 accumulators.
-// Each thread configures its tiles before use (and releases them after).
-inline void configure_tiles() {
+// Tile t as rows[t] rows of bytes[t] bytes. Each thread configures its tiles before use
+// (and releases them after).
+inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
   } config;
   for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
+    config.colsb[t] = bytes[t];
+    config.rows[t] = rows[t];
   }
   _tile_loadconfig(&config);
+}
+
+// Eight tiles of 16 rows x 64 bytes: 16 x 32 bf16 operands, 16 x 16 fp32 accumulators.
+inline void configure_tiles() {
+  configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}, {64, 64, 64, 64, 64, 64, 64, 64});
 }
 
 }  // namespace pagedllm

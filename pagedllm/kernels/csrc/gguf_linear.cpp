@@ -208,6 +208,34 @@ int64_t prefetch_distance(int64_t G) {
   return (kPrefetchBytes + block - 1) / block * block;
 }
 
+// A call's work items: chunks of rows, each by every panel (whole) or half panel (2 groups),
+// a chunk's items adjacent.
+struct WorkItems {
+  const Shape& sh;
+  int64_t M, n, chunk_rows;
+  bool whole;
+  int64_t per_chunk() const { return whole ? sh.panels : sh.groups / 2; }
+  int64_t count() const { return (M + chunk_rows - 1) / chunk_rows * per_chunk(); }
+  struct Item {
+    int64_t m0, rows;          // the chunk's first row, its rows
+    int64_t panel, G, g0, NG;  // the panel, its groups, the item's first group and groups
+    int64_t col0, cols;        // the item's first output, its outputs (less N's padding)
+  };
+  Item operator[](int64_t i) const {
+    Item t;
+    t.m0 = i / per_chunk() * chunk_rows;
+    t.rows = std::min(chunk_rows, M - t.m0);
+    const int64_t item = i % per_chunk();
+    t.panel = whole ? item : item / 2;
+    t.G = sh.groups_in(t.panel);
+    t.g0 = whole ? 0 : item % 2 * 2;
+    t.NG = whole ? t.G : 2;
+    t.col0 = (t.panel * kPanelGroups + t.g0) * kGroup;
+    t.cols = std::min(t.NG * kGroup, n - t.col0);
+    return t;
+  }
+};
+
 constexpr int64_t kChunkRows = 256;  // rows per work item
 constexpr int64_t kFewRows = 3;      // AVX2: up to this many, one-row tiles of a whole panel
 constexpr int kTileRows = 4;         // rows of a many-row tile (AVX-512)
@@ -532,20 +560,12 @@ void run_amx(const at::Tensor& x_in, const uint8_t* packed, int64_t n, Out* y, i
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   std::vector<float> sums(M * per_row);
   unit_sums512(xp, ldx, M, K, width, F::kFold != 0.f ? F::kFold : 1.f, sums.data());
-  const bool whole = M <= kAmxFewRows;
-  const int64_t items_per_chunk = whole ? sh.panels : sh.groups / 2;
-  const int64_t chunks = (M + kAmxChunkRows - 1) / kAmxChunkRows;
-  at::parallel_for(0, chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
+  const WorkItems items{sh, M, n, kAmxChunkRows, M <= kAmxFewRows};
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     // tiles 0-3: a group's sums; 4: x; 5-7: q'
-    struct alignas(64) {
-      uint8_t palette = 1, start_row = 0, reserved[14] = {};
-      uint16_t colsb[16] = {};
-      uint8_t rows[16] = {};
-    } config;
-    for (int t = 0; t < 4; ++t) config.colsb[t] = 64, config.rows[t] = tile_rows;
-    config.colsb[4] = 2 * width, config.rows[4] = tile_rows;
-    for (int t = 5; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kPairs;
-    _tile_loadconfig(&config);
+    const uint8_t tr = static_cast<uint8_t>(tile_rows);
+    pagedllm::configure_tiles({tr, tr, tr, tr, tr, kPairs, kPairs, kPairs},
+                              {64, 64, 64, 64, static_cast<uint16_t>(2 * width), 64, 64, 64});
     // a unit's q', group after group; units alternate between two, so that decoding the next
     // unit does not wait for the tile loads of this one
     alignas(64) __m512i q[2][kPanelGroups * 16];
@@ -554,12 +574,8 @@ void run_amx(const at::Tensor& x_in, const uint8_t* packed, int64_t n, Out* y, i
     acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
     float* acc = acc_buffer.data();
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t m0 = it / items_per_chunk * kAmxChunkRows, item = it % items_per_chunk;
-      const int64_t rows = std::min(kAmxChunkRows, M - m0);
-      const int64_t panel = whole ? item : item / 2;
-      const int64_t G = sh.groups_in(panel), g0 = whole ? 0 : item % 2 * 2;
-      const int64_t NG = whole ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
-      const int64_t cols = std::min(NG * kGroup, n - col0), ld_acc = NG * kGroup;
+      const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[it];
+      const int64_t ld_acc = NG * kGroup;
       const uint8_t* w = packed + panel * sh.panel_bytes;
       const float* xs = sums.data() + m0 * per_row;
       const int64_t ahead = prefetch_distance<T>(G);
@@ -571,7 +587,7 @@ void run_amx(const at::Tensor& x_in, const uint8_t* packed, int64_t n, Out* y, i
           const int unit_parity = i % 2;
           for (int64_t g = 0; g < NG; ++g)
             for (int u = 0; u < 4; ++u) {
-              if (whole && g == 0)
+              if (items.whole && g == 0)
                 prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
 #pragma GCC unroll 4
               for (int s = 0; s < 4; ++s)
@@ -922,18 +938,11 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
     }
   }
 #endif
-  const bool whole = few;  // work items of whole panels, else of half panels
-  const int64_t items_per_chunk = whole ? sh.panels : sh.groups / 2;
-  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
-  at::parallel_for(0, chunks * items_per_chunk, 1, [&](int64_t begin, int64_t end) {
+  const WorkItems items{sh, M, n, kChunkRows, few};  // whole panels for few rows
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[kTileRows * 4 * kGroup];  // one tile's sums
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = i / items_per_chunk * kChunkRows, item = i % items_per_chunk;
-      const int64_t rows = std::min(kChunkRows, M - m0);
-      const int64_t panel = whole ? item : item / 2;
-      const int64_t G = sh.groups_in(panel), g0 = whole ? 0 : item % 2 * 2;
-      const int64_t NG = whole ? G : 2, col0 = (panel * kPanelGroups + g0) * kGroup;
-      const int64_t cols = std::min(NG * kGroup, n - col0);
+      const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[i];
       const uint8_t* w = packed + panel * sh.panel_bytes;
       const float* xs = sums.data() + m0 * per_row;
       auto store_rows = [&](int64_t m, int64_t r) {
