@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import psutil
@@ -17,6 +18,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.errors import EngineDeadError
 from pagedllm.engine.fault_injection import FaultInjector
+from pagedllm.engine.tp.processes import sigint_deferred
 from tiny_models import make_qwen3_dir  # tests/ (pytest prepends the rootdir)
 
 PROMPTS = ["Hello, my name is", "The quick brown fox", "def add(a, b):", "你好，世界",
@@ -173,6 +175,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.errors import EngineDeadError
 
 if __name__ == "__main__":
+    # as a terminal's foreground job: a background job of a script (`pytest &`, as CI may
+    # run) inherits SIGINT ignored, and Ctrl-C would never reach this one
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = sys.argv[2]
     llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_bytes=16 * 2**20,
               tensor_parallel_size=2, distributed_timeout_seconds=float(sys.argv[3]))
@@ -253,6 +258,23 @@ def test_ctrl_c_stops_every_process(tmp_path, qwen3_dir):
     assert "KeyboardInterrupt" in out and "FINISHED" not in out, out
     assert code != 0
     assert_gone(pids)
+
+
+@pytest.mark.parametrize("handler", [signal.default_int_handler, signal.SIG_IGN],
+                         ids=["default", "ignored"])
+def test_ctrl_c_inside_a_step_waits_for_its_end_and_an_ignored_one_stays_ignored(handler):
+    previous = signal.signal(signal.SIGINT, handler)
+    finished = False
+    try:
+        with pytest.raises(KeyboardInterrupt) if handler is not signal.SIG_IGN else nullcontext():
+            with sigint_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs here, between bytecodes
+                finished = True
+        assert finished
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.slow

@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 @contextmanager
 def sigint_deferred() -> Iterator[None]:
     """Hold Ctrl-C until the block ends: a step abandoned half way would leave the other
-    ranks waiting in a collective. Only the main thread can install handlers."""
-    if threading.current_thread() is not threading.main_thread():
+    ranks waiting in a collective. Only the main thread can install handlers. A process
+    that ignores SIGINT (a background job of a script: `cmd &`) keeps ignoring it."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) == signal.SIG_IGN):
         yield
         return
     received: list[int] = []
