@@ -48,13 +48,6 @@ class EngineConfig:
         "bfloat16 activations; CPUs with AVX2 or AVX-512); none: dequantize every weight to "
         "--dtype. Default: gguf for GGUF files where it applies (CPU, one rank, --dtype "
         "auto), else none", default=None, choices=["gguf", "none"])
-    gguf_amx: bool = _opt(
-        "run GGUF weights kept quantized on AMX tiles (CPUs with AMX-BF16: Intel Xeon from the "
-        "4th generation) at every batch size: prompts, batches and speculative verify steps "
-        "of 9 or more rows 2.8-4x faster, a single stream's decode 1.6-2.2x slower (2-core "
-        "Xeon, docs/quantization.md). Each path sums in its own order, so a process takes one "
-        "for every call: the last engine loaded sets it. Default: the dot products",
-        default=False)
     max_model_len: int | None = _opt("longest prompt + output in tokens (default: the model's)",
                                      default=None)
     max_num_seqs: int = _opt("most sequences in one batch", default=256)
@@ -174,12 +167,6 @@ class EngineConfig:
             raise ValueError("quantization=gguf has a CPU kernel only (device cpu)")
         if self.quantization == "gguf" and self.tensor_parallel_size != 1:
             raise ValueError("quantization=gguf runs on one rank (tensor_parallel_size=1)")
-        if self.gguf_amx and self.quantization == "none":
-            raise ValueError("gguf_amx runs GGUF weights kept quantized; quantization=none "
-                             "dequantizes them")
-        if self.gguf_amx and (self.device == "cuda" or not probes.has_amx()):
-            raise ValueError("gguf_amx needs a CPU with AMX-BF16 (and the kernels built for "
-                             "it); this one runs the GGUF kernel's dot products")
         positive_int("max_model_len", allow_none=True)
         positive_int("max_num_seqs")
         positive_int("max_num_batched_tokens", allow_none=True)

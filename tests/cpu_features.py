@@ -11,3 +11,8 @@ def cpu_flags() -> set[str]:
 
 def cpu_has_amx_bf16() -> bool:
     return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+
+
+def cpu_has_amx_int8() -> bool:
+    """What the GGUF kernel's AMX path takes (its few rows: AVX512-VNNI)."""
+    return {"amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni"} <= cpu_flags()

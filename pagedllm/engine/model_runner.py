@@ -37,7 +37,6 @@ from pagedllm.engine.spec_decode.rejection_sampler import verify_greedy, verify_
 from pagedllm.engine.tp.errors import TensorParallelError
 from pagedllm.engine.tp.processes import WorkerProcesses, default_num_threads, sigint_deferred
 from pagedllm.engine.tp.protocol import BlockMoves, StepChannel, StepInputs
-from pagedllm.kernels import ops, probes
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.quantized import GGUFWeight
 from pagedllm.layers.sampler import (Penalties, SamplerOutput, SamplingBatch,
@@ -146,10 +145,6 @@ class ModelRunner:
     def _load_model(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]]) -> None:
         mc = self.model_config
         t = time.perf_counter()
-        # the GGUF kernel's path is the process's (gguf_amx); an earlier engine's is undone
-        if self.config.gguf_amx or (self.device.type == "cpu" and probes.available()
-                                    and ops.gguf_linear_isa() == "amx"):
-            ops.force_gguf_linear_isa("amx" if self.config.gguf_amx else "")
         self.model = build_model(mc, self.dtype, self.device, weights, log=self.rank == 0)
         self.attention_backend = resolve_backend(self.config.attention_backend, self.device.type,
                                                  self.block_size, self.dtype)

@@ -149,8 +149,8 @@ def gguf_linear_isa() -> str:
 
 
 def force_gguf_linear_isa(isa: str) -> None:
-    """'amx': gguf_linear runs on AMX tiles from now on, every call (the engine's gguf_amx);
-    'avx2' (tests): its AVX2 path even where AVX512-BF16 runs; '': the best dot products."""
+    """Tests: 'amx', 'avx512_bf16' or 'avx2' make gguf_linear take that path from now on
+    (an error where the build or CPU lacks it); '': the best one (AMX where it runs)."""
     _ext.force_gguf_linear_isa(isa)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from cpu_features import cpu_flags, cpu_has_amx_bf16
+from cpu_features import cpu_flags, cpu_has_amx_int8
 from pagedllm.kernels import build, ops
 from pagedllm.layers.gguf_packing import (SUPPORTED_TYPES, can_pack, dequantize_packed_rows,
                                           gguf_nbytes, pack_gguf, packed_nbytes)
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="the GGUF kernel needs AVX2
 FP16_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
                Q.Q6_K: [208]}
 ISAS = [pytest.param("amx", marks=pytest.mark.skipif(
-            not cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16")),
+            not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")),
         pytest.param("avx512_bf16", marks=pytest.mark.skipif(
             not HAS_AVX512_BF16, reason="this CPU has no AVX512-BF16")), "avx2"]
 TYPES = [pytest.param(t, id=t.name) for t in SUPPORTED_TYPES]
@@ -40,7 +40,7 @@ def ext():
 
 @pytest.fixture(params=ISAS)
 def isa(request, ext):
-    ops.force_gguf_linear_isa("" if request.param == "avx512_bf16" else request.param)
+    ops.force_gguf_linear_isa(request.param)
     assert ops.gguf_linear_isa() == request.param
     yield request.param
     ops.force_gguf_linear_isa("")
@@ -142,39 +142,38 @@ def test_the_avx2_path_agrees_with_the_avx512_path(ext, qtype):
     try:
         ops.force_gguf_linear_isa("avx2")
         avx2 = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
+        ops.force_gguf_linear_isa("avx512_bf16")
+        avx512 = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
     finally:
         ops.force_gguf_linear_isa("")
-    avx512 = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
     bound = (x.double().abs() @ w.double().abs().T) * 2**-11  # each within 2^-12
     assert ((avx2.double() - avx512.double()).abs() <= bound).all()
 
 
-@pytest.mark.skipif(not cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16")
+@pytest.mark.skipif(not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")
 @pytest.mark.parametrize("qtype", TYPES)
-def test_the_amx_path_agrees_with_the_dot_products_and_stays_chosen(ext, qtype):
-    """AMX tiles (a process's choice) against the AVX-512 dot products: within the kernel's
-    bound of each other, and every call takes AMX once asked, one row included."""
+def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_and_the_default(ext, qtype):
+    """AMX tiles from kAmxMinRows (6) rows, AVX512-VNNI one row at a time below: both the AVX2
+    path's integer sums and epilogue, so every row count equals AVX2 bit for bit (and so a
+    row alone equals it in any batch); where the CPU has AMX it is what runs unasked."""
+    assert ops.gguf_linear_isa() == "amx"
     n, k = 80, 2 * block_of(qtype)
     raw = random_gguf(qtype, n, k, seed=6)
-    packed, w = pack_gguf(qtype, raw, n, k), dequantized(qtype, raw, n, k)
-    x = torch.randn(20, k).bfloat16()
-    dots = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
-    try:
-        ops.force_gguf_linear_isa("amx")
-        assert ops.gguf_linear_isa() == "amx"
+    packed = pack_gguf(qtype, raw, n, k)
+    for rows in (1, 2, 3, 5, 6, 7, 16, 17, 40):
+        x = torch.randn(rows, k).bfloat16()
         tiles = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
-        one = ops.gguf_linear(x[:1], packed, int(qtype), n, fp32_out=True)
-    finally:
-        ops.force_gguf_linear_isa("")
-    assert ops.gguf_linear_isa() == "avx512_bf16"
-    bound = (x.double().abs() @ w.double().abs().T) * 2**-11  # each within 2^-12
-    assert ((tiles.double() - dots.double()).abs() <= bound).all()
-    assert torch.equal(one, tiles[:1])
+        try:
+            ops.force_gguf_linear_isa("avx2")
+            avx2 = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
+        finally:
+            ops.force_gguf_linear_isa("")
+        assert torch.equal(tiles, avx2), rows
 
 
-@pytest.mark.skipif(cpu_has_amx_bf16(), reason="this CPU has AMX-BF16")
+@pytest.mark.skipif(cpu_has_amx_int8(), reason="this CPU has AMX-INT8")
 def test_amx_tiles_are_refused_where_the_cpu_has_none(ext):
-    with pytest.raises(RuntimeError, match="AMX tiles need a CPU with AMX-BF16"):
+    with pytest.raises(RuntimeError, match="AMX tiles need a CPU with AMX-INT8"):
         ops.force_gguf_linear_isa("amx")
     assert ops.gguf_linear_isa() != "amx"
 

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from family_harness import (Family, build, first_difference, greedy, hf_greedy,
                             max_logit_error, prompt_ids)
 from test_moe import _decisive_routing  # tests/models (pytest's rootdir path)
-from cpu_features import cpu_has_amx_bf16
+from cpu_features import cpu_flags, cpu_has_amx_int8
 from pagedllm import LLM
 from pagedllm.kernels import ops, probes
 from pagedllm.layers import quantized
@@ -155,44 +155,40 @@ def _assert_close_to_hf(llm: LLM, built, prompts, reference) -> None:
     assert agreed >= len(prompts) * 16 // 2, agreed
 
 
-NO_AMX = pytest.mark.skipif(not cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16")
+NO_AMX = pytest.mark.skipif(not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")
+NO_AVX512 = pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="this CPU has no AVX512-BF16")
 
 
-@pytest.mark.parametrize("isa", ["best", "avx2", pytest.param("amx", marks=NO_AMX)])
+@pytest.mark.parametrize("isa", ["best", "avx2", pytest.param("avx512_bf16", marks=NO_AVX512)])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kept_quantized_greedy_is_close_to_hf(models, family, isa):
+    """Every path of the GGUF kernel the CPU has: the best one unasked (AMX where the CPU has
+    it), AVX2, and AVX512-BF16 (which AMX CPUs also have)."""
     built, prompts, reference = models(family)
-    llm = _engine(built, gguf_amx=isa == "amx")
-    if isa == "avx2":
-        ops.force_gguf_linear_isa("avx2")
+    llm = _engine(built)
+    if isa != "best":
+        ops.force_gguf_linear_isa(isa)
     try:
-        assert (ops.gguf_linear_isa() == "amx") == (isa == "amx")
+        best = ("amx" if cpu_has_amx_int8() else
+                "avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx2")
+        assert ops.gguf_linear_isa() == (best if isa == "best" else isa)
         _assert_close_to_hf(llm, built, prompts, reference)
     finally:
         ops.force_gguf_linear_isa("")
 
 
 @NO_AMX
-def test_gguf_amx_takes_tiles_for_every_batch_and_is_undone_by_the_next_engine(models):
-    """gguf_amx: the linears name the AMX path, each prompt alone gives the tokens it gives
-    in the batch (one row and many on the same path), and an engine loaded after without
-    the option is back on the dot products."""
+def test_on_amx_each_prompt_alone_gives_its_tokens_in_the_batch(models):
+    """AMX CPUs run the GGUF linears on tiles from 6 rows and on VNNI below, to the same sums:
+    the linears name the AMX path, and each prompt alone (one-row decode steps) gives the
+    tokens it gives in the batch (prompt chunks and decode batches on tiles)."""
     built, prompts, _ = models("llama-q4_k_m")
-    llm = _engine(built, gguf_amx=True)
+    llm = _engine(built)
     kernels = linear_kernels(llm.engine.model_runner.model)
     assert "gguf_linear (amx)" in kernels and "avx512" not in kernels, kernels
     together = [o.token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
     alone = [llm.generate([p], greedy(16), use_tqdm=False)[0].token_ids for p in prompts]
     assert alone == together
-    _engine(built)
-    assert ops.gguf_linear_isa() == "avx512_bf16"
-
-
-@pytest.mark.skipif(cpu_has_amx_bf16(), reason="this CPU has AMX-BF16")
-def test_gguf_amx_is_refused_without_amx(models):
-    built, _, _ = models("llama-q4_k_m")
-    with pytest.raises(ValueError, match="gguf_amx needs a CPU with AMX-BF16"):
-        _engine(built, gguf_amx=True)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -525,129 +525,6 @@ void interleave_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K
 }
 #endif  // GGUF_AVX512
 
-// ---- AMX (AMX-BF16) --------------------------------------------------------------------
-// On CPUs with AMX the same sums run on tiles: per scale unit, the unit's 16 pairs of q' for
-// a group (decode512's vectors, one after the other: 1 KB) are a 32 x 16 right operand as
-// they stand, and 16 rows of x by the unit's 32 inputs, read in place, the left one. One
-// tile product gives x . q' for 16 rows by 16 outputs; each is then scaled by s and
-// corrected by c sum(x) in fp32 as on the dot-product path. (Q6_K's 16-input units: 8 pairs
-// and 16 inputs a product.) A work item is a chunk of rows by a panel (few rows) or half a
-// panel: per scale unit it decodes its groups' quants once into a scratch of tiles, then
-// runs every 16 rows of the chunk against them, the sums kept in a per-thread fp32 buffer.
-// AMX sums a tile product's pairs in its own way (wider than fp32 within a product, not
-// VDPBF16PS's sequential rounding), so a process that takes AMX takes it for every call,
-// one row included: a row's result does not depend on its batch here either, and differs
-// from the dot-product path's in the last bits. It is a process's choice, not the default:
-// on the 2-core Xeon it ran 9 to 256 rows 2.8-4x faster than the dot products and one row
-// 1.6-2.2x slower (storing the decoded q' for the tile loads, 64 stores a unit and panel,
-// costs about what the dot products' whole one-row work does); docs/quantization.md.
-#if defined(PAGEDLLM_AMX) && defined(GGUF_AVX512)
-#define GGUF_AMX 1
-constexpr int64_t kAmxChunkRows = 128;  // rows per work item
-constexpr int64_t kAmxFewRows = 16;     // up to this many, work items of whole panels
-
-template <QType T, typename Out>
-void run_amx(const at::Tensor& x_in, const uint8_t* packed, int64_t n, Out* y, int64_t ldy) {
-  using F = Format<T>;
-  constexpr int kSubs = F::kSubs, kPairs = kUnitPairs<T>;
-  const int64_t M = x_in.size(0), K = x_in.size(1);
-  // M over 16: whole 16-row tiles, the rest zeros; fewer: tiles of M rows
-  const at::Tensor x = M <= 16 || M % 16 == 0 ? x_in
-      : at::constant_pad_nd(x_in, {0, 0, 0, 16 - M % 16}, 0);
-  const int64_t ldx = x.stride(0), tile_rows = std::min<int64_t>(M, 16);
-  const Shape sh = shape_of<T>(n, K);
-  const int64_t width = kUnitInputs / kSubs, per_row = K / width;
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  std::vector<float> sums(M * per_row);
-  unit_sums512(xp, ldx, M, K, width, F::kFold != 0.f ? F::kFold : 1.f, sums.data());
-  const WorkItems items{sh, M, n, kAmxChunkRows, M <= kAmxFewRows};
-  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
-    // tiles 0-3: a group's sums; 4: x; 5-7: q'
-    const uint8_t tr = static_cast<uint8_t>(tile_rows);
-    pagedllm::configure_tiles({tr, tr, tr, tr, tr, kPairs, kPairs, kPairs},
-                              {64, 64, 64, 64, static_cast<uint16_t>(2 * width), 64, 64, 64});
-    // a unit's q', group after group; units alternate between two, so that decoding the next
-    // unit does not wait for the tile loads of this one
-    alignas(64) __m512i q[2][kPanelGroups * 16];
-    alignas(64) float c_tiles[kPanelGroups][16 * kGroup];
-    static thread_local std::vector<float> acc_buffer;
-    acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
-    float* acc = acc_buffer.data();
-    for (int64_t it = begin; it < end; ++it) {
-      const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[it];
-      const int64_t ld_acc = NG * kGroup;
-      const uint8_t* w = packed + panel * sh.panel_bytes;
-      const float* xs = sums.data() + m0 * per_row;
-      const int64_t ahead = prefetch_distance<T>(G);
-      std::fill(acc, acc + rows * ld_acc, 0.f);
-      for (int64_t b = 0; b < sh.blocks; ++b) {
-        const uint8_t* blk = w + b * G * kGroupBlock<T>;
-        for (int i = 0; i < kUnits<T>; ++i) {
-          const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-          const int unit_parity = i % 2;
-          for (int64_t g = 0; g < NG; ++g)
-            for (int u = 0; u < 4; ++u) {
-              if (items.whole && g == 0)
-                prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
-#pragma GCC unroll 4
-              for (int s = 0; s < 4; ++s)
-                _mm512_store_si512(&q[unit_parity][g * 16 + 4 * u + s],
-                                   reinterpret_cast<__m512i>(decode512<T>(units + g * F::kUnit, u, s)));
-            }
-#pragma GCC unroll 2
-          for (int h = 0; h < kSubs; ++h) {
-            const int sub = i * kSubs + h;
-            const int64_t su = b * kUnits<T> * kSubs + sub;
-            __m512 s[kPanelGroups], c[kPanelGroups];
-            for (int64_t g = 0; g < NG; ++g) scales512<T>(blk + (g0 + g) * F::kHeader, sub, s[g], c[g]);
-            for (int64_t m = 0; m < rows; m += 16) {
-              _tile_loadd(4, xp + (m0 + m) * ldx + b * F::kBlock + i * kUnitInputs + h * width,
-                          ldx * 2);
-              // (tile numbers are immediates: the groups unrolled by hand; three tiles of
-              // q', so that a load waits on one product only)
-              const __m512i* qs = q[unit_parity];
-              _tile_loadd(5, qs + h * kPairs, 64);
-              _tile_loadd(6, qs + 16 + h * kPairs, 64);
-              if (NG == 4) _tile_loadd(7, qs + 32 + h * kPairs, 64);
-              _tile_zero(0);
-              _tile_zero(1);
-              _tile_dpbf16ps(0, 4, 5);
-              _tile_dpbf16ps(1, 4, 6);
-              if (NG == 4) {
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, qs + 48 + h * kPairs, 64);
-                _tile_dpbf16ps(3, 4, 5);
-              }
-              _tile_stored(0, c_tiles[0], 64);
-              _tile_stored(1, c_tiles[1], 64);
-              if (NG == 4) {
-                _tile_stored(2, c_tiles[2], 64);
-                _tile_stored(3, c_tiles[3], 64);
-              }
-              const int64_t r = std::min<int64_t>(16, rows - m);
-              for (int64_t j = 0; j < r; ++j) {
-                const float x_sum = xs[(m + j) * per_row + su];
-                float* a = acc + (m + j) * ld_acc;
-                for (int64_t g = 0; g < NG; ++g) {
-                  __m512 part = _mm512_load_ps(c_tiles[g] + j * kGroup);
-                  if constexpr (F::kFold != 0.f) part = _mm512_add_ps(part, _mm512_set1_ps(x_sum));
-                  __m512 v = _mm512_fmadd_ps(part, s[g], _mm512_loadu_ps(a + g * kGroup));
-                  if constexpr (kAddOffset512<T>) v = _mm512_fmadd_ps(_mm512_set1_ps(x_sum), c[g], v);
-                  _mm512_storeu_ps(a + g * kGroup, v);
-                }
-              }
-            }
-          }
-        }
-      }
-      for (int64_t j = 0; j < rows; ++j) store_row(y + (m0 + j) * ldy + col0, acc + j * ld_acc, cols);
-    }
-    _tile_release();
-  });
-}
-#endif  // GGUF_AMX
 
 // ---- AVX2 + FMA + F16C -----------------------------------------------------------------
 // Integer dot products: x is rounded to 16-bit integers per scale unit (x ~ xs xq, xs a
@@ -886,20 +763,270 @@ void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
 }
 #endif  // GGUF_AVX2
 
-// Which path gguf_linear takes: the dot products (AVX-512, else AVX2), or AMX tiles where a
-// process asked for them (engine option gguf_amx); tests may ask for AVX2 where AVX-512 runs.
+// ---- AMX (AMX-INT8) --------------------------------------------------------------------
+// On CPUs with AMX the AVX2 path's integer sums run on tiles, to the same int32, so that the
+// results are the AVX2 path's bit for bit: a row alone (the AVX2 path's one-row tiles) and
+// the same row in a batch (tiles) agree, and the process takes AMX by default. x is the
+// AVX2 path's 16-bit integers per scale unit, split into two byte planes xq = 256 xh + xl
+// (xl unsigned, xh signed); q is the quant itself (Q8_0 signed, the others 0..63), which a
+// signed byte holds. Per scale unit, a group's quants are a weight tile (kRowsB rows of 4
+// inputs by 16 outputs: a row's 64 bytes are each output's 4 inputs, in the order 0, 2, 1,
+// 3, which is how two pairs' decoded words interleave; the byte planes of x take the same
+// order), and one tile product of each plane (TDPBUSD for xl, TDPBSSD for xh) gives 16 rows
+// by 16 outputs of exact int32 sums; xh's is shifted by 8 and added, then each unit goes
+// through the AVX2 path's epilogue (s xs part + c2 xsum, fp32, the same operations in the
+// same order). A work item is a chunk of rows by a panel (few rows) or half a panel; per
+// scale unit it decodes its groups' quants once into a scratch of tiles (512 bytes a group,
+// half the bf16 q' a tile product on AMX-BF16 would need) and runs every 16 rows against
+// them, the sums kept in a per-thread fp32 buffer. Below kAmxMinRows rows each row runs
+// alone on AVX512-VNNI (row512i: the AVX2 path's one-row tiles, 512 bits wide), to the
+// same sums again.
+#if defined(PAGEDLLM_AMX) && defined(GGUF_AVX512) && defined(GGUF_AVX2) && defined(__AMX_INT8__)
+#define GGUF_AMX 1
+constexpr int64_t kAmxChunkRows = 128;  // rows per work item
+constexpr int64_t kAmxFewRows = 16;     // up to this many, work items of whole panels
+// From how many rows the tiles run; fewer, the AVX2 path's sums on AVX512-VNNI, one row at
+// a time (row512i). Measured on the Xeon (docs/quantization.md): per row, VNNI ran one row
+// in 0.7-0.8x the AVX512-BF16 dot products' time (Q8_0 0.35x), the tiles 4 rows in
+// 0.75-1.25x VNNI's time, 8 rows in 0.5-0.8x.
+constexpr int64_t kAmxMinRows = 6;
+
+// q of pair 4u + s of a group's unit, 16 outputs' pairs as 16-bit integers (word 2o + e:
+// output o's element e): quants256's two halves in one vector.
+template <QType T>
+inline __m512i quants512(const uint8_t* unit, int u, int s) {
+  if constexpr (T == QType::Q8_0) {
+    return _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + (4 * u + s) * 32)));
+  } else {
+    __m512i high = _mm512_setzero_si512();
+    if constexpr (T == QType::Q5_K)
+      high = _mm512_and_si512(bits_to_4(_mm512_loadu_si512(unit + 256), 4 * u + s),
+                              _mm512_set1_epi16(0x10));
+    else if constexpr (T == QType::Q6_K)
+      high = _mm512_and_si512(bits_to_4(_mm512_loadu_si512(unit + 256 + u / 2 * 64), 2 * (4 * (u % 2) + s)),
+                              _mm512_set1_epi16(0x30));
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(_mm512_loadu_si512(unit + u * 64), 4 * s),
+                                     _mm512_set1_epi16(0x0F), high, 0xEA);
+  }
+}
+
+// A group's s and c2 for a scale unit, 16 outputs: scales256's two halves, to the bit.
+template <QType T>
+inline void scales_avx2_512(const uint8_t* header, int sub, __m512& s, __m512& c2) {
+  __m256 s0, s1, c0, c1;
+  scales256<T>(header, sub, 0, s0, c0);
+  scales256<T>(header, sub, 1, s1, c1);
+  s = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
+  c2 = _mm512_insertf32x8(_mm512_castps256_ps512(c0), c1, 1);
+}
+
+// row256's sums (the same int32 per scale unit, the same fp32 epilogue) on 512-bit
+// vectors: VPDPWSSD multiplies a unit's 16 outputs' pairs by the row's pair and adds both
+// products to each output's sum in one instruction.
+template <QType T, int NG>
+void row512i(const int16_t* xq, const float* xs, const float* xsum, const uint8_t* w, int64_t G,
+             int64_t blocks, float* out) {
+  using F = Format<T>;
+  constexpr int kRuns = 4 / F::kSubs;
+  const int64_t ahead = prefetch_distance<T>(G);
+  __m512 acc[NG];
+  for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * G * kGroupBlock<T>;
+    for (int i = 0; i < kUnits<T>; ++i) {
+      const uint8_t* units = blk + G * F::kHeader + i * G * F::kUnit;
+      const int16_t* xu = xq + b * F::kBlock + i * kUnitInputs;
+#pragma GCC unroll 2
+      for (int h = 0; h < F::kSubs; ++h) {
+        __m512i part[NG];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g) part[g] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+          prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+            int32_t xp;
+            std::memcpy(&xp, xu + 8 * u + 2 * s, sizeof(xp));
+            const __m512i pair = _mm512_set1_epi32(xp);
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; ++g)
+              part[g] = _mm512_dpwssd_epi32(part[g], quants512<T>(units + g * F::kUnit, u, s), pair);
+          }
+        }
+        const int64_t sub = b * kUnits<T> * F::kSubs + i * F::kSubs + h;
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g) {
+          __m512 s, c2;
+          scales_avx2_512<T>(blk + g * F::kHeader, i * F::kSubs + h, s, c2);
+          acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[g]), _mm512_mul_ps(s, _mm512_set1_ps(xs[sub])),
+                                   acc[g]);
+          if constexpr (T != QType::Q8_0) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[sub]), c2, acc[g]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + g * kGroup, acc[g]);
+}
+
+// Rows of xq (16-bit, row stride K) as the byte planes xl (low bytes) and xh (high, signed),
+// each four inputs in the order 0, 2, 1, 3; rows M .. Mp zeros.
+void split_rows_amx(const int16_t* xq, int64_t M, int64_t Mp, int64_t K, uint8_t* xl, uint8_t* xh) {
+  const __m512i order = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17,
+                                         18, 16, 15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512i v = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(xq + m * K + k));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xl + m * K + k), _mm512_cvtepi16_epi8(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xh + m * K + k),
+                          _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    }
+  std::memset(xl + M * K, 0, (Mp - M) * K);
+  std::memset(xh + M * K, 0, (Mp - M) * K);
+}
+
+// A group's weight tiles for one unit (32 inputs): 8 rows of 64 bytes, row r pairs 2r and
+// 2r + 1, each 16-bit word (output o, element e) their q's side by side.
+template <QType T>
+inline void quant_tiles_amx(const uint8_t* unit, __m512i* rows) {
+  if constexpr (T == QType::Q8_0) {
+    for (int r = 0; r < 8; ++r) {
+      auto words = [&](int p) {
+        return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + p * 32)));
+      };
+      _mm512_store_si512(rows + r, _mm512_or_si512(words(2 * r), _mm512_slli_epi16(words(2 * r + 1), 8)));
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi16(0x00FF);
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 2
+      for (int s = 0; s < 4; s += 2) {
+        // decode512's words are 0x4300 | q: the low byte is q
+        const __m512i a = reinterpret_cast<__m512i>(decode512<T>(unit, u, s));
+        const __m512i b = reinterpret_cast<__m512i>(decode512<T>(unit, u, s + 1));
+        _mm512_store_si512(rows + 2 * u + s / 2,
+                           _mm512_ternarylogic_epi32(a, low, _mm512_slli_epi16(b, 8), 0xEA));
+      }
+  }
+}
+
+template <QType T, typename Out>
+void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t ldy) {
+  using F = Format<T>;
+  constexpr int kSubs = F::kSubs;
+  constexpr int64_t width = kUnitInputs / kSubs;  // a scale unit's inputs
+  constexpr uint8_t kRowsB = width / 4;           // a weight tile's rows
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t Mp = M <= 16 ? M : (M + 15) / 16 * 16, tile_rows = std::min<int64_t>(M, 16);
+  const Shape sh = shape_of<T>(n, K);
+  const int64_t per_row = K / width;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xscales(M * per_row), sums(M * per_row);
+  quantize_rows256(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, width, xq.data(), xscales.data(),
+                   sums.data());
+  std::vector<uint8_t> planes(2 * Mp * K);
+  uint8_t *xl = planes.data(), *xh = planes.data() + Mp * K;
+  split_rows_amx(xq.data(), M, Mp, K, xl, xh);
+  const WorkItems items{sh, M, n, kAmxChunkRows, M <= kAmxFewRows};
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
+    // tiles 0-3: two groups' sums of xl and of xh; 4, 5: xl, xh; 6, 7: two groups' quants
+    const uint8_t tr = static_cast<uint8_t>(tile_rows);
+    pagedllm::configure_tiles({tr, tr, tr, tr, tr, tr, kRowsB, kRowsB},
+                              {64, 64, 64, 64, width, width, 64, 64});
+    // a unit's weight tiles, group after group; units alternate between two, so that
+    // decoding the next unit does not wait for the tile loads of this one
+    alignas(64) __m512i q[2][kPanelGroups * 8];
+    alignas(64) int32_t c_tiles[4][16 * kGroup];
+    static thread_local std::vector<float> acc_buffer;
+    acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
+    float* acc = acc_buffer.data();
+    for (int64_t it = begin; it < end; ++it) {
+      const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[it];
+      const int64_t ld_acc = NG * kGroup;
+      const uint8_t* w = packed + panel * sh.panel_bytes;
+      const int64_t ahead = prefetch_distance<T>(G);
+      std::fill(acc, acc + rows * ld_acc, 0.f);
+      for (int64_t b = 0; b < sh.blocks; ++b) {
+        const uint8_t* blk = w + b * G * kGroupBlock<T>;
+        for (int i = 0; i < kUnits<T>; ++i) {
+          const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+          __m512i* qu = q[(b * kUnits<T> + i) % 2];
+          if (items.whole)
+            for (int u = 0; u < 4; ++u)
+              prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+          for (int64_t g = 0; g < NG; ++g) quant_tiles_amx<T>(units + g * F::kUnit, qu + g * 8);
+#pragma GCC unroll 2
+          for (int h = 0; h < kSubs; ++h) {
+            const int sub = i * kSubs + h;
+            const int64_t su = b * kUnits<T> * kSubs + sub;
+            __m512 s[kPanelGroups], c2[kPanelGroups];
+            for (int64_t g = 0; g < NG; ++g) scales_avx2_512<T>(blk + (g0 + g) * F::kHeader, sub, s[g], c2[g]);
+            for (int64_t m = 0; m < rows; m += 16) {
+              const int64_t at = (m0 + m) * K + b * F::kBlock + i * kUnitInputs + h * width;
+              _tile_loadd(4, xl + at, K);
+              _tile_loadd(5, xh + at, K);
+              const int64_t r = std::min<int64_t>(16, rows - m);
+              for (int64_t g = 0; g < NG; g += 2) {
+                _tile_loadd(6, qu + g * 8 + h * kRowsB, 64);
+                _tile_loadd(7, qu + (g + 1) * 8 + h * kRowsB, 64);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbssd(1, 5, 6);
+                _tile_dpbusd(2, 4, 7);
+                _tile_dpbssd(3, 5, 7);
+                _tile_stored(0, c_tiles[0], 64);
+                _tile_stored(1, c_tiles[1], 64);
+                _tile_stored(2, c_tiles[2], 64);
+                _tile_stored(3, c_tiles[3], 64);
+                for (int64_t j = 0; j < r; ++j) {
+                  const float row_scale = xscales[(m0 + m + j) * per_row + su];
+                  const float row_sum = sums[(m0 + m + j) * per_row + su];
+                  float* a = acc + (m + j) * ld_acc + g * kGroup;
+#pragma GCC unroll 2
+                  for (int e = 0; e < 2; ++e) {
+                    const __m512i part = _mm512_add_epi32(
+                        _mm512_slli_epi32(_mm512_load_si512(c_tiles[2 * e + 1] + j * kGroup), 8),
+                        _mm512_load_si512(c_tiles[2 * e] + j * kGroup));
+                    __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part),
+                                               _mm512_mul_ps(s[g + e], _mm512_set1_ps(row_scale)),
+                                               _mm512_loadu_ps(a + e * kGroup));
+                    if constexpr (T != QType::Q8_0)
+                      v = _mm512_fmadd_ps(_mm512_set1_ps(row_sum), c2[g + e], v);
+                    _mm512_storeu_ps(a + e * kGroup, v);
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < rows; ++j) store_row(y + (m0 + j) * ldy + col0, acc + j * ld_acc, cols);
+    }
+    _tile_release();
+  });
+}
+#endif  // GGUF_AMX
+
+// Which path gguf_linear takes: AMX tiles where the CPU has them (from kAmxMinRows rows;
+// fewer, the AVX2 path, whose sums they are), else the dot products (AVX-512, else AVX2);
+// tests may ask for a path the CPU also has.
 enum class Isa { kNone, kAvx2, kAvx512, kAmx };
 std::atomic<Isa> forced_isa{Isa::kNone};
 
 Isa current_isa() {
   const Isa forced = forced_isa.load();
+  if (forced != Isa::kNone) return forced;
 #if defined(GGUF_AMX)
-  if (forced == Isa::kAmx) return Isa::kAmx;
+  if (pagedllm::amx_available()) return Isa::kAmx;
 #endif
 #if defined(GGUF_AVX512)
-  if (forced != Isa::kAvx2) return Isa::kAvx512;
-#endif
-#if defined(GGUF_AVX2)
+  return Isa::kAvx512;
+#elif defined(GGUF_AVX2)
   return Isa::kAvx2;
 #else
   return Isa::kNone;
@@ -912,13 +1039,21 @@ template <QType T, typename Out>
 void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t ldy, Isa isa) {
   using F = Format<T>;
 #if defined(GGUF_AMX)
-  if (isa == Isa::kAmx) return run_amx<T>(x, packed, n, y, ldy);
+  bool vnni = false;  // the AVX2 path's one-row tiles on AVX512-VNNI
+  if (isa == Isa::kAmx) {
+    if (x.size(0) >= kAmxMinRows) return run_amx<T>(x, packed, n, y, ldy);
+    isa = Isa::kAvx2;
+    vnni = true;
+  }
 #endif
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   const Shape sh = shape_of<T>(n, K);
   const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const bool few = M <= (isa == Isa::kAvx512 ? F::kFewRows512 : kFewRows);
+  bool few = M <= (isa == Isa::kAvx512 ? F::kFewRows512 : kFewRows);
+#if defined(GGUF_AMX)
+  few = few || vnni;
+#endif
   std::vector<float> sums(M * per_row), xscales;
 #if defined(GGUF_AVX2)
   std::vector<int16_t> xq;
@@ -992,8 +1127,15 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
         const float* xsr = xscales.data() + m0 * per_row;
         if (few) {
           for (int64_t m = 0; m < rows; ++m) {
-            if (G == 4) row256<T, 4>(xr + m * K, xsr + m * per_row, xs + m * per_row, w, G, sh.blocks, out);
-            else row256<T, 2>(xr + m * K, xsr + m * per_row, xs + m * per_row, w, G, sh.blocks, out);
+            auto row = [&]<int NG>() {
+#if defined(GGUF_AMX)
+              if (vnni)
+                return row512i<T, NG>(xr + m * K, xsr + m * per_row, xs + m * per_row, w, G, sh.blocks, out);
+#endif
+              row256<T, NG>(xr + m * K, xsr + m * per_row, xs + m * per_row, w, G, sh.blocks, out);
+            };
+            if (G == 4) row.template operator()<4>();
+            else row.template operator()<2>();
             store_rows(m, 1);
           }
         } else {
@@ -1110,16 +1252,24 @@ std::string gguf_linear_isa() {
 }
 
 void force_gguf_linear_isa(const std::string& isa) {
-  TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "amx",
-              "force_gguf_linear_isa: \"amx\", \"avx2\" or \"\", got \"", isa, "\"");
+  TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "avx512_bf16" || isa == "amx",
+              "force_gguf_linear_isa: \"amx\", \"avx512_bf16\", \"avx2\" or \"\", got \"", isa, "\"");
 #if defined(GGUF_AMX)
   const bool amx = amx_available();
 #else
   const bool amx = false;
 #endif
-  TORCH_CHECK(isa != "amx" || amx, "force_gguf_linear_isa: AMX tiles need a CPU with AMX-BF16 "
+#if defined(GGUF_AVX512)
+  const bool avx512 = true;
+#else
+  const bool avx512 = false;
+#endif
+  TORCH_CHECK(isa != "amx" || amx, "force_gguf_linear_isa: AMX tiles need a CPU with AMX-INT8 "
               "and a build for it");
-  forced_isa = isa == "avx2" ? Isa::kAvx2 : isa == "amx" ? Isa::kAmx : Isa::kNone;
+  TORCH_CHECK(isa != "avx512_bf16" || avx512, "force_gguf_linear_isa: this build has no "
+              "AVX512-BF16 path");
+  forced_isa = isa == "avx2" ? Isa::kAvx2 : isa == "amx" ? Isa::kAmx
+      : isa == "avx512_bf16" ? Isa::kAvx512 : Isa::kNone;
 }
 
 int64_t gguf_packed_nbytes(int64_t qtype, int64_t n, int64_t k) {

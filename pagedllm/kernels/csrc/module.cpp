@@ -63,9 +63,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize_rows", &pagedllm::gguf_dequantize_rows,
         "the exact float32 weights of some output rows, from the packed GGUF weight");
   m.def("gguf_linear_isa", &pagedllm::gguf_linear_isa,
-        "what gguf_linear runs on: 'avx512_bf16', 'avx2' or '' (not built)");
+        "what gguf_linear runs on: 'amx', 'avx512_bf16', 'avx2' or '' (not built)");
   m.def("force_gguf_linear_isa", &pagedllm::force_gguf_linear_isa,
-        "tests: 'avx2' makes gguf_linear take its AVX2 path; '' the best built");
+        "tests: 'amx', 'avx512_bf16' or 'avx2' makes gguf_linear take that path; '' the best");
   m.def("has_packed_linear_bf16", &pagedllm::has_packed_linear_bf16,
         "whether this build has the AVX512-BF16 packed linear");
   m.def("elementwise_isa", &pagedllm::elementwise_isa,

@@ -86,11 +86,11 @@ int64_t gguf_packed_nbytes(int64_t qtype, int64_t n, int64_t k);
 // form (gguf.quants.dequantize's values bit for bit).
 at::Tensor gguf_dequantize_rows(const at::Tensor& packed, int64_t qtype, int64_t n, int64_t k,
                                 const at::Tensor& rows);
-// What gguf_linear runs on: "amx", "avx512_bf16", "avx2" or "" (neither built).
+// What gguf_linear runs on: "amx" (AMX-INT8 tiles, a few rows on AVX512-VNNI: the AVX2
+// path's sums), "avx512_bf16", "avx2" or "" (none built).
 std::string gguf_linear_isa();
-// "amx": gguf_linear runs on AMX tiles from now on, every call (engine option gguf_amx; an
-// error where AMX is not built or permitted); "avx2" (tests): the AVX2 path where AVX512-BF16
-// runs; "": the dot products of the best ISA built.
+// Tests: "amx", "avx512_bf16" or "avx2" make gguf_linear take that path from now on where the
+// build and CPU have it (else an error); "": the best one.
 void force_gguf_linear_isa(const std::string& isa);
 
 // Fused elementwise ops (elementwise.cpp), each equal to the torch code it replaces.
