@@ -257,6 +257,26 @@ inline __m512i bits_to_4(__m512i v, int from) {
   return from >= 4 ? _mm512_srli_epi16(v, from - 4) : _mm512_slli_epi16(v, 4 - from);
 }
 
+// q of pair 4u + s of a group's unit (a nibble type: not Q8_0), 16 outputs' pairs as 16-bit
+// words (word 2o + e: output o's element e), each OR base.
+template <QType T>
+inline __m512i nibble_words512(const uint8_t* unit, int u, int s, __m512i base) {
+  const __m512i words = _mm512_loadu_si512(unit + u * 64);
+  __m512i high = base;  // base | the high bits of q, in place
+  if constexpr (T == QType::Q5_K) {
+    const __m512i plane_bits = _mm512_loadu_si512(unit + 256);
+    high = _mm512_ternarylogic_epi32(bits_to_4(plane_bits, 4 * u + s), _mm512_set1_epi16(0x10),
+                                     base, 0xEA);
+  } else if constexpr (T == QType::Q6_K) {
+    const __m512i plane_bits = _mm512_loadu_si512(unit + 256 + u / 2 * 64);
+    high = _mm512_ternarylogic_epi32(bits_to_4(plane_bits, 2 * (4 * (u % 2) + s)),
+                                     _mm512_set1_epi16(0x30), base, 0xEA);
+  }
+  // (nibble s & 0xF) | high
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4 * s), _mm512_set1_epi16(0x0F), high,
+                                   0xEA);
+}
+
 // q' of pair 4u + s of a group's unit, 16 pairs. (Q8_0 as two nibble planes, 128 + lo and
 // 128 + hi, each summed in its chain and combined 16 hi + lo, ran as fast at one row as the
 // int8 widening below, once the prefetches were spread, and took 1.3x as long from 16 rows
@@ -271,21 +291,8 @@ inline __m512bh decode512(const uint8_t* unit, int u, int s) {
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
     return _mm512_cvtne2ps_pbh(hi, lo);  // exact: |q| <= 128
   }
-  const __m512i nibble = _mm512_set1_epi16(0x0F), offset = _mm512_set1_epi16(0x4300);
-  const __m512i words = _mm512_loadu_si512(unit + u * 64);
-  __m512i high = offset;  // 0x4300 | the high bits of q, in place
-  if constexpr (T == QType::Q5_K) {
-    const __m512i plane_bits = _mm512_loadu_si512(unit + 256);
-    high = _mm512_ternarylogic_epi32(bits_to_4(plane_bits, 4 * u + s), _mm512_set1_epi16(0x10),
-                                     offset, 0xEA);
-  } else if constexpr (T == QType::Q6_K) {
-    const __m512i plane_bits = _mm512_loadu_si512(unit + 256 + u / 2 * 64);
-    high = _mm512_ternarylogic_epi32(bits_to_4(plane_bits, 2 * (4 * (u % 2) + s)),
-                                     _mm512_set1_epi16(0x30), offset, 0xEA);
-  }
-  // (nibble s & 0xF) | high
-  return reinterpret_cast<__m512bh>(
-      _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4 * s), nibble, high, 0xEA));
+  // 0x4300 | q: the bf16 of 128 + q
+  return reinterpret_cast<__m512bh>(nibble_words512<T>(unit, u, s, _mm512_set1_epi16(0x4300)));
 }
 
 // A group's s and c for scale unit `sub` of its block (header: the group's scales).
@@ -795,20 +802,11 @@ constexpr int64_t kAmxMinRows = 6;
 // output o's element e): quants256's two halves in one vector.
 template <QType T>
 inline __m512i quants512(const uint8_t* unit, int u, int s) {
-  if constexpr (T == QType::Q8_0) {
+  if constexpr (T == QType::Q8_0)
     return _mm512_cvtepi8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + (4 * u + s) * 32)));
-  } else {
-    __m512i high = _mm512_setzero_si512();
-    if constexpr (T == QType::Q5_K)
-      high = _mm512_and_si512(bits_to_4(_mm512_loadu_si512(unit + 256), 4 * u + s),
-                              _mm512_set1_epi16(0x10));
-    else if constexpr (T == QType::Q6_K)
-      high = _mm512_and_si512(bits_to_4(_mm512_loadu_si512(unit + 256 + u / 2 * 64), 2 * (4 * (u % 2) + s)),
-                              _mm512_set1_epi16(0x30));
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi16(_mm512_loadu_si512(unit + u * 64), 4 * s),
-                                     _mm512_set1_epi16(0x0F), high, 0xEA);
-  }
+  else
+    return nibble_words512<T>(unit, u, s, _mm512_setzero_si512());
 }
 
 // A group's s and c2 for a scale unit, 16 outputs: scales256's two halves, to the bit.
@@ -1038,8 +1036,8 @@ Isa current_isa() {
 template <QType T, typename Out>
 void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t ldy, Isa isa) {
   using F = Format<T>;
-#if defined(GGUF_AMX)
   bool vnni = false;  // the AVX2 path's one-row tiles on AVX512-VNNI
+#if defined(GGUF_AMX)
   if (isa == Isa::kAmx) {
     if (x.size(0) >= kAmxMinRows) return run_amx<T>(x, packed, n, y, ldy);
     isa = Isa::kAvx2;
@@ -1050,10 +1048,7 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   const Shape sh = shape_of<T>(n, K);
   const int64_t width = kUnitInputs / F::kSubs, per_row = K / width;
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  bool few = M <= (isa == Isa::kAvx512 ? F::kFewRows512 : kFewRows);
-#if defined(GGUF_AMX)
-  few = few || vnni;
-#endif
+  const bool few = vnni || M <= (isa == Isa::kAvx512 ? F::kFewRows512 : kFewRows);
   std::vector<float> sums(M * per_row), xscales;
 #if defined(GGUF_AVX2)
   std::vector<int16_t> xq;
