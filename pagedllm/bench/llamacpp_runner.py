@@ -7,7 +7,9 @@ n_predict = output length and ignore_eos, so it produces exactly the tokens the 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -28,6 +30,19 @@ __all__ = ["LlamaBenchRunner", "LlamaCppRunner", "gguf_for_dtype"]
 # an int8 one. llama-bench parses no f32 cache type (its ggml_type_from_name): f16 there.
 _KV_TYPES = {"float32": "f32", "bfloat16": "f16", "float16": "f16", "int8": "q8_0"}
 _BENCH_KV_TYPES = {**_KV_TYPES, "float32": "f16"}
+
+logger = logging.getLogger(__name__)
+
+# A llama.cpp built natively on a CPU with AMX-INT8 repacks the weights for its AMX backend,
+# which segfaults at the first prompt on some Xeons (llama.cpp issue #20824, open; ollama
+# stopped shipping it). scripts/build_llamacpp.sh leaves that backend out there; a binary
+# built elsewhere that crashes so is run again with repacking off, and its rows say so.
+_CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS)
+
+
+def crashed(returncode: int | None) -> bool:
+    """Whether a child process died of a memory or instruction fault (not an error exit)."""
+    return returncode is not None and -returncode in _CRASH_SIGNALS
 
 
 def default_llama_server() -> str | None:
@@ -103,23 +118,37 @@ class LlamaCppRunner:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._version = server_version(binary)
-        fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-        self._log = os.fdopen(fd, "w")
+        self.repack = "--no-repack" not in extra_args
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                "-c", str(parallel * self.slot_ctx), "--cont-batching",
                "-ctk", self.kv_type, "-ctv", self.kv_type, "--no-webui", *extra_args]
+        try:
+            self._start(cmd, startup_timeout)
+        except RuntimeError:
+            if not (self.repack and crashed(self.proc.returncode)):
+                raise
+            logger.warning("llama-server died of signal %d before it served (its log: %s); "
+                           "running it again with --no-repack (llama.cpp issue #20824: its "
+                           "AMX backend crashes on some Xeons)", -self.proc.returncode,
+                           self.log_path)
+            self.repack = False
+            self._start([*cmd, "--no-repack"], startup_timeout)
+        self._ids = 0
+
+    def _start(self, cmd: list[str], timeout: float) -> None:
+        fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        self._log = os.fdopen(fd, "w")
         self.cmd = cmd
         t = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         try:
-            self._wait_ready(startup_timeout)
+            self._wait_ready(timeout)
         except BaseException:
             self.close()
             raise
         self.load_s = time.perf_counter() - t
-        self._ids = 0
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -146,6 +175,7 @@ class LlamaCppRunner:
         return {"parallel_slots": self.parallel, "slot_ctx": self.slot_ctx,
                 "cache_prompt": self.cache_prompt, "kv_cache_type": self.kv_type,
                 "gguf": os.path.basename(self.gguf), "load_s": round(self.load_s, 2),
+                "repack": self.repack,
                 # a GGUF the user chose (--llama-gguf, e.g. the Q4_1 original) is named in the rows
                 **({"label": os.path.basename(self.gguf), "weight_bytes": gguf_tensor_bytes(self.gguf)}
                    if self.user_gguf else {})}
@@ -241,14 +271,21 @@ class LlamaBenchRunner:
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
         self.kv_type = _BENCH_KV_TYPES[kv_dtype]
         self.user_gguf = user_gguf
+        self.repack = True
         self._version = server_version(binary)
 
     def _samples(self, prompt: int, gen: int, depth: int, iters: int) -> list[float]:
         """Tokens per second of each repetition of one llama-bench test."""
         cmd = [self.binary, "-m", self.gguf, "-t", str(self.threads), "-p", str(prompt),
                "-n", str(gen), "-d", str(depth), "-r", str(iters), "-o", "json",
-               "-ctk", self.kv_type, "-ctv", self.kv_type]
+               "-ctk", self.kv_type, "-ctv", self.kv_type, "--repack", str(int(self.repack))]
         run = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if self.repack and crashed(run.returncode):
+            logger.warning("llama-bench died of signal %d; running it again with --repack 0 "
+                           "(llama.cpp issue #20824: its AMX backend crashes on some Xeons)",
+                           -run.returncode)
+            self.repack = False
+            return self._samples(prompt, gen, depth, iters)
         if run.returncode != 0:
             raise RuntimeError(f"llama-bench exited with code {run.returncode}: "
                                f"{' '.join(cmd)}\n{run.stderr[-2000:]}")
@@ -260,6 +297,7 @@ class LlamaBenchRunner:
 
     def settings(self) -> dict:
         return {"kv_cache_type": self.kv_type, "gguf": os.path.basename(self.gguf),
+                "repack": self.repack,
                 **({"label": os.path.basename(self.gguf), "weight_bytes": gguf_tensor_bytes(self.gguf)}
                    if self.user_gguf else {})}
 

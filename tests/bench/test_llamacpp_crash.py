@@ -1,0 +1,91 @@
+"""A llama.cpp whose repacked weights crash it (its AMX backend on some Xeons, llama.cpp
+issue #20824) is run again with repacking off, and the rows say so; any other failure is
+still an error. Driven against stand-in binaries that crash as the real one does."""
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from pagedllm.bench.llamacpp_runner import LlamaBenchRunner, LlamaCppRunner, crashed
+from pagedllm.bench.workloads import BenchRequest, Workload
+
+BENCH = """#!/usr/bin/env python3
+import json, os, signal, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("version: 1 (fake)"); sys.exit(0)
+with open({log!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if {always!r} or args[args.index("--repack") + 1] == "1":
+    os.kill(os.getpid(), signal.SIGSEGV)
+print(json.dumps([{{"samples_ts": [100.0]}}]))
+"""
+
+SERVER = """#!/usr/bin/env python3
+import http.server, os, signal, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("version: 1 (fake)"); sys.exit(0)
+if "--no-repack" not in args:
+    print("load_tensors: AMX model buffer size = 1 MiB", flush=True)
+    os.kill(os.getpid(), signal.SIGSEGV)
+if {fail!r}:
+    print("error: bad model", flush=True); sys.exit(1)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+
+http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def executable(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_only_faults_count_as_crashes():
+    assert crashed(-11) and crashed(-4) and crashed(-7)
+    assert not crashed(None) and not crashed(0) and not crashed(1) and not crashed(-15)
+
+
+def test_llama_bench_that_segfaults_repacked_runs_again_without_repacking(tmp_path):
+    log = tmp_path / "calls.jsonl"
+    binary = executable(tmp_path / "llama-bench", BENCH.format(log=str(log), always=False))
+    runner = LlamaBenchRunner(binary, "m.gguf", "float32", threads=1)
+    assert runner.settings()["repack"] is True
+    run = runner.latency(Workload("latency", "", [BenchRequest(list(range(50)), 8)]), iters=1)
+    assert run.ttft_s == [0.5] and run.decode_tok_s == [100.0]
+    repacks = [c[c.index("--repack") + 1] for c in map(json.loads, log.read_text().splitlines())]
+    assert repacks == ["1", "0", "0"]  # the crash, its rerun, then the decode test
+    assert runner.settings()["repack"] is False
+
+
+def test_llama_bench_that_crashes_anyway_is_an_error(tmp_path):
+    binary = executable(tmp_path / "llama-bench",
+                        BENCH.format(log=str(tmp_path / "calls.jsonl"), always=True))
+    runner = LlamaBenchRunner(binary, "m.gguf", "float32", threads=1)
+    with pytest.raises(RuntimeError, match="llama-bench exited with code -11"):
+        runner.latency(Workload("latency", "", [BenchRequest([1, 2], 4)]), iters=1)
+
+
+def test_llama_server_that_segfaults_repacked_starts_again_without_repacking(tmp_path):
+    binary = executable(tmp_path / "llama-server", SERVER.format(fail=False))
+    runner = LlamaCppRunner(binary, "m.gguf", "float32", threads=1, parallel=1, max_seq_len=64,
+                            startup_timeout=60)
+    try:
+        assert runner.cmd[-1] == "--no-repack" and runner.proc.poll() is None
+        assert runner.settings()["repack"] is False
+    finally:
+        runner.close()
+
+
+def test_llama_server_that_fails_without_repacking_too_is_an_error(tmp_path):
+    binary = executable(tmp_path / "llama-server", SERVER.format(fail=True))
+    with pytest.raises(RuntimeError, match="(?s)exited with code 1.*bad model"):
+        LlamaCppRunner(binary, "m.gguf", "float32", threads=1, parallel=1, max_seq_len=64,
+                       startup_timeout=60)
