@@ -104,9 +104,11 @@ class LlamaCppRunner:
     def __init__(self, binary: str, gguf: str, dtype: str, threads: int, parallel: int,
                  max_seq_len: int, cache_prompt: bool = True, startup_timeout: float = 300.0,
                  user_gguf: bool = False, extra_args: tuple[str, ...] = (),
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, repack: bool = True) -> None:
         """extra_args go to llama-server as given (e.g. its speculative-decoding flags);
-        kv_dtype: the KV cache dtype of the pagedllm run compared with (default dtype)."""
+        kv_dtype: the KV cache dtype of the pagedllm run compared with (default dtype);
+        repack=False: --no-repack (llama.cpp's own layout; its repacked one can be slower,
+        as on the AMX Xeon for Q4_K)."""
         kv_dtype = kv_dtype or dtype
         if dtype not in _KV_TYPES or kv_dtype not in _KV_TYPES:
             raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r} "
@@ -118,7 +120,8 @@ class LlamaCppRunner:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._version = server_version(binary)
-        self.repack = "--no-repack" not in extra_args
+        self.repack = repack and "--no-repack" not in extra_args
+        extra_args = (*extra_args, *(() if self.repack or "--no-repack" in extra_args else ("--no-repack",)))
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                "-c", str(parallel * self.slot_ctx), "--cont-batching",
@@ -263,7 +266,7 @@ class LlamaBenchRunner:
     engine = "llama-bench"
 
     def __init__(self, binary: str, gguf: str, dtype: str, threads: int,
-                 user_gguf: bool = False, kv_dtype: str | None = None) -> None:
+                 user_gguf: bool = False, kv_dtype: str | None = None, repack: bool = True) -> None:
         kv_dtype = kv_dtype or dtype
         if dtype not in _KV_TYPES or kv_dtype not in _KV_TYPES:
             raise ValueError(f"llama.cpp runs float32, bfloat16 or float16, not {dtype!r} "
@@ -271,7 +274,7 @@ class LlamaBenchRunner:
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
         self.kv_type = _BENCH_KV_TYPES[kv_dtype]
         self.user_gguf = user_gguf
-        self.repack = True
+        self.repack = repack
         self._version = server_version(binary)
 
     def _samples(self, prompt: int, gen: int, depth: int, iters: int) -> list[float]:

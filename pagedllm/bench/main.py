@@ -155,6 +155,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--llama-gguf", default=None,
                    help="GGUF for llama.cpp (default: the model converted to F32/BF16 per dtype)")
     r.add_argument("--llama-parallel", type=int, default=16, help="llama.cpp server slots")
+    r.add_argument("--llama-no-repack", action="store_true",
+                   help="run llama.cpp with its weights as the GGUF stores them (--no-repack, "
+                        "llama-bench --repack 0): its repacked layout is slower on some CPUs")
     r.add_argument("--keep-going", action="store_true",
                    help="an engine that fails is noted (in the JSON's failures and the exit "
                         "status) and the run goes on with the next one")
@@ -423,7 +426,7 @@ class Bench:
             self._run_peer(dtype, lambda: LlamaCppRunner(
                 self.args.llama_server, gguf, dtype, self.args.threads, self.args.llama_parallel,
                 ctx, cache_prompt=on, user_gguf=gguf in (self.args.llama_gguf, self.model_path),
-                kv_dtype=self._kv_dtype(dtype)),
+                kv_dtype=self._kv_dtype(dtype), repack=not self.args.llama_no_repack),
                 workloads=None if on else self._only("prefix"),
                 prefix_label=f"prompt cache {'on' if on else 'off'}")
 
@@ -437,7 +440,8 @@ class Bench:
         gguf = self._llama_gguf(dtype)
         return LlamaBenchRunner(
             default_llama_bench(self.args.llama_server), gguf, dtype, self.args.threads,
-            user_gguf=gguf in (self.args.llama_gguf, self.model_path), kv_dtype=self._kv_dtype(dtype))
+            user_gguf=gguf in (self.args.llama_gguf, self.model_path), kv_dtype=self._kv_dtype(dtype),
+            repack=not self.args.llama_no_repack)
 
     def _latency_in_rounds(self, dtype: str, w: wl.Workload, runner: Runner) -> list[BenchResult]:
         """--latency-rounds: the latency request on pagedllm (runner, loaded) and llama-bench
@@ -681,7 +685,7 @@ def llama_spec_peer(args: argparse.Namespace, model_path: str, cases: list) -> A
     return LlamaSpecPeer(args.llama_server, gguf, dtype, args.threads, max(args.spec_streams),
                          max(r.prompt_len + r.output_len for c in cases for r in c.requests),
                          parse_llama_spec(args.llama_spec), args.spec_k,
-                         user_gguf=args.llama_gguf is not None)
+                         user_gguf=args.llama_gguf is not None, repack=not args.llama_no_repack)
 
 
 def run_spec(args: argparse.Namespace, argv: list[str], started: datetime) -> int:

@@ -138,8 +138,9 @@ class LlamaSpecPeer:
 
     def __init__(self, binary: str, gguf: str, dtype: str, threads: int, parallel: int,
                  max_seq_len: int, settings: list[LlamaSpecSetting], k: int,
-                 user_gguf: bool = False) -> None:
+                 user_gguf: bool = False, repack: bool = True) -> None:
         self.binary, self.gguf, self.dtype, self.threads = binary, gguf, dtype, threads
+        self.repack = repack
         self.parallel, self.max_seq_len, self.k, self.user_gguf = parallel, max_seq_len, k, user_gguf
         self.settings = {s.label: s for s in settings}
         self._servers: dict[str, LlamaCppRunner] = {}
@@ -152,7 +153,7 @@ class LlamaSpecPeer:
             self._stop(label)
             runner = LlamaCppRunner(self.binary, self.gguf, self.dtype, self.threads,
                                     self.parallel, self.max_seq_len, cache_prompt=False,
-                                    user_gguf=self.user_gguf,
+                                    user_gguf=self.user_gguf, repack=self.repack,
                                     extra_args=("--metrics", *setting.server_args(self.k)))
             runner.complete_tokens(list(range(1000, 1024)), 4, ignore_eos=True)  # first-shape costs
             self._servers[label] = runner

@@ -1,6 +1,7 @@
-"""A llama.cpp whose repacked weights crash it (its AMX backend on some Xeons, llama.cpp
-issue #20824) is run again with repacking off, and the rows say so; any other failure is
-still an error. Driven against stand-in binaries that crash as the real one does."""
+"""llama.cpp with its weights repacked or not (--llama-no-repack). One whose repacked
+weights crash it (its AMX backend on some Xeons, llama.cpp issue #20824) is run again with
+repacking off, and the rows say so; any other failure is still an error. Driven against
+stand-in binaries that crash as the real one does."""
 from __future__ import annotations
 
 import json
@@ -89,3 +90,20 @@ def test_llama_server_that_fails_without_repacking_too_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="(?s)exited with code 1.*bad model"):
         LlamaCppRunner(binary, "m.gguf", "float32", threads=1, parallel=1, max_seq_len=64,
                        startup_timeout=60)
+
+
+def test_repack_off_is_asked_for_from_the_start(tmp_path):
+    # --llama-no-repack: llama.cpp's faster layout on some CPUs, no crash needed
+    log = tmp_path / "calls.jsonl"
+    bench = LlamaBenchRunner(executable(tmp_path / "llama-bench", BENCH.format(log=str(log), always=False)),
+                             "m.gguf", "float32", threads=1, repack=False)
+    bench.latency(Workload("latency", "", [BenchRequest(list(range(50)), 8)]), iters=1)
+    assert [c[c.index("--repack") + 1] for c in map(json.loads, log.read_text().splitlines())] == ["0", "0"]
+    server = LlamaCppRunner(executable(tmp_path / "llama-server", SERVER.format(fail=False)), "m.gguf",
+                            "float32", threads=1, parallel=1, max_seq_len=64, startup_timeout=60,
+                            repack=False, extra_args=("--metrics",))
+    try:
+        assert server.cmd.count("--no-repack") == 1 and "--metrics" in server.cmd
+        assert server.settings()["repack"] is False
+    finally:
+        server.close()
