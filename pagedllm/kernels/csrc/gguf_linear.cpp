@@ -782,16 +782,17 @@ void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
 // order), and one tile product of each plane (TDPBUSD for xl, TDPBSSD for xh) gives 16 rows
 // by 16 outputs of exact int32 sums; xh's is shifted by 8 and added, then each unit goes
 // through the AVX2 path's epilogue (s xs part + c2 xsum, fp32, the same operations in the
-// same order). A work item is a chunk of rows by a panel (few rows) or half a panel; per
-// scale unit it decodes its groups' quants once into a scratch of tiles (512 bytes a group,
-// half the bf16 q' a tile product on AMX-BF16 would need) and runs every 16 rows against
-// them, the sums kept in a per-thread fp32 buffer. Below kAmxMinRows rows each row runs
+// same order). A work item is a chunk of rows by a panel; per scale unit it decodes its
+// groups' quants once into a scratch of tiles (512 bytes a group, half the bf16 q' a tile
+// product on AMX-BF16 would need) and runs every 16 rows against them (the x planes laid
+// out tile by tile, each tile's 16 rows in a run of whole cache lines), the sums kept in a
+// per-thread fp32 buffer; of each two groups, the second's products run while the first's
+// sums are stored and scaled. Below kAmxMinRows rows each row runs
 // alone on AVX512-VNNI (row512i: the AVX2 path's one-row tiles, 512 bits wide), to the
 // same sums again.
 #if defined(PAGEDLLM_AMX) && defined(GGUF_AVX512) && defined(GGUF_AVX2) && defined(__AMX_INT8__)
 #define GGUF_AMX 1
 constexpr int64_t kAmxChunkRows = 128;  // rows per work item
-constexpr int64_t kAmxFewRows = 16;     // up to this many, work items of whole panels
 // From how many rows the tiles run; fewer, the AVX2 path's sums on AVX512-VNNI, one row at
 // a time (row512i). Measured on the Xeon (docs/quantization.md): per row, VNNI ran one row
 // in 0.7-0.8x the AVX512-BF16 dot products' time (Q8_0 0.35x), the tiles 4 rows in
@@ -869,19 +870,37 @@ void row512i(const int16_t* xq, const float* xs, const float* xsum, const uint8_
 }
 
 // Rows of xq (16-bit, row stride K) as the byte planes xl (low bytes) and xh (high, signed),
-// each four inputs in the order 0, 2, 1, 3; rows M .. Mp zeros.
-void split_rows_amx(const int16_t* xq, int64_t M, int64_t Mp, int64_t K, uint8_t* xl, uint8_t* xh) {
+// each four inputs in the order 0, 2, 1, 3, laid out as the tiles that read them: the
+// tile of scale unit t (width inputs) and rows 16 mb .. 16 mb + 15 is 16 rows of width
+// bytes, at (t Mp / 16 + mb) 16 width, so that a tile load reads whole cache lines in
+// order; rows M .. Mp (Mp a multiple of 16) zeros.
+void split_rows_amx(const int16_t* xq, int64_t M, int64_t Mp, int64_t K, int64_t width, uint8_t* xl,
+                    uint8_t* xh) {
   const __m512i order = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17,
                                          18, 16, 15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0);
+  if (M < Mp) {
+    std::memset(xl, 0, Mp * K);
+    std::memset(xh, 0, Mp * K);
+  }
+  const int64_t blocks = Mp / 16;
+  auto at = [&](int64_t m, int64_t t) { return ((t * blocks + m / 16) * 16 + m % 16) * width; };
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; k += 32) {
       const __m512i v = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(xq + m * K + k));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xl + m * K + k), _mm512_cvtepi16_epi8(v));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xh + m * K + k),
-                          _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+      const __m256i lo = _mm512_cvtepi16_epi8(v), hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
+      if (width == 32) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xl + at(m, k / 32)), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xh + at(m, k / 32)), hi);
+      } else {  // 16
+        for (int e = 0; e < 2; ++e) {
+          const int64_t o = at(m, k / 16 + e);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xl + o), e ? _mm256_extracti128_si256(lo, 1)
+                                                                   : _mm256_castsi256_si128(lo));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xh + o), e ? _mm256_extracti128_si256(hi, 1)
+                                                                   : _mm256_castsi256_si128(hi));
+        }
+      }
     }
-  std::memset(xl + M * K, 0, (Mp - M) * K);
-  std::memset(xh + M * K, 0, (Mp - M) * K);
 }
 
 // A group's weight tiles for one unit (32 inputs): 8 rows of 64 bytes, row r pairs 2r and
@@ -917,7 +936,7 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
   constexpr int64_t width = kUnitInputs / kSubs;  // a scale unit's inputs
   constexpr uint8_t kRowsB = width / 4;           // a weight tile's rows
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t Mp = M <= 16 ? M : (M + 15) / 16 * 16, tile_rows = std::min<int64_t>(M, 16);
+  const int64_t Mp = (M + 15) / 16 * 16, tile_rows = std::min<int64_t>(M, 16);
   const Shape sh = shape_of<T>(n, K);
   const int64_t per_row = K / width;
   std::vector<int16_t> xq(M * K);
@@ -926,8 +945,16 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
                    sums.data());
   std::vector<uint8_t> planes(2 * Mp * K);
   uint8_t *xl = planes.data(), *xh = planes.data() + Mp * K;
-  split_rows_amx(xq.data(), M, Mp, K, xl, xh);
-  const WorkItems items{sh, M, n, kAmxChunkRows, M <= kAmxFewRows};
+  split_rows_amx(xq.data(), M, Mp, K, width, xl, xh);
+  // each scale unit's row scales and sums, row after row (the epilogue reads 16 at a time)
+  std::vector<float> unit_rows(2 * per_row * Mp);
+  float *row_scales = unit_rows.data(), *row_sums = unit_rows.data() + per_row * Mp;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t u = 0; u < per_row; ++u) {
+      row_scales[u * Mp + m] = xscales[m * per_row + u];
+      row_sums[u * Mp + m] = sums[m * per_row + u];
+    }
+  const WorkItems items{sh, M, n, kAmxChunkRows, true};
   at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     // tiles 0-3: two groups' sums of xl and of xh; 4, 5: xl, xh; 6, 7: two groups' quants
     const uint8_t tr = static_cast<uint8_t>(tile_rows);
@@ -962,42 +989,45 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
             __m512 s[kPanelGroups], c2[kPanelGroups];
             for (int64_t g = 0; g < NG; ++g) scales_avx2_512<T>(blk + (g0 + g) * F::kHeader, sub, s[g], c2[g]);
             for (int64_t m = 0; m < rows; m += 16) {
-              const int64_t at = (m0 + m) * K + b * F::kBlock + i * kUnitInputs + h * width;
-              _tile_loadd(4, xl + at, K);
-              _tile_loadd(5, xh + at, K);
+              const int64_t t = (b * F::kBlock + i * kUnitInputs) / width + h;
+              const int64_t at = (t * (Mp / 16) + (m0 + m) / 16) * 16 * width;
+              _tile_loadd(4, xl + at, width);
+              _tile_loadd(5, xh + at, width);
               const int64_t r = std::min<int64_t>(16, rows - m);
+              const float* rsc = row_scales + su * Mp + m0 + m;
+              const float* rsm = row_sums + su * Mp + m0 + m;
+              // one group's epilogue: its sums of xl and xh from c, into acc
+              auto finish = [&](const int32_t* cl, const int32_t* ch, int64_t g) {
+                float* a = acc + m * ld_acc + g * kGroup;
+                const __m512 sg = s[g], dg = c2[g];
+                for (int64_t j = 0; j < r; ++j, a += ld_acc) {
+                  const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + j * kGroup), 8),
+                                                     _mm512_load_si512(cl + j * kGroup));
+                  __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sg, _mm512_set1_ps(rsc[j])),
+                                             _mm512_loadu_ps(a));
+                  if constexpr (T != QType::Q8_0) v = _mm512_fmadd_ps(_mm512_set1_ps(rsm[j]), dg, v);
+                  _mm512_storeu_ps(a, v);
+                }
+              };
               for (int64_t g = 0; g < NG; g += 2) {
+                // group g on tiles 0, 1 (quants 6), group g + 1 on 2, 3 (7): the second's
+                // products run while the first's sums are stored and scaled
                 _tile_loadd(6, qu + g * 8 + h * kRowsB, 64);
-                _tile_loadd(7, qu + (g + 1) * 8 + h * kRowsB, 64);
                 _tile_zero(0);
                 _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
                 _tile_dpbusd(0, 4, 6);
                 _tile_dpbssd(1, 5, 6);
+                _tile_loadd(7, qu + (g + 1) * 8 + h * kRowsB, 64);
+                _tile_zero(2);
+                _tile_zero(3);
                 _tile_dpbusd(2, 4, 7);
                 _tile_dpbssd(3, 5, 7);
                 _tile_stored(0, c_tiles[0], 64);
                 _tile_stored(1, c_tiles[1], 64);
+                finish(c_tiles[0], c_tiles[1], g);
                 _tile_stored(2, c_tiles[2], 64);
                 _tile_stored(3, c_tiles[3], 64);
-                for (int64_t j = 0; j < r; ++j) {
-                  const float row_scale = xscales[(m0 + m + j) * per_row + su];
-                  const float row_sum = sums[(m0 + m + j) * per_row + su];
-                  float* a = acc + (m + j) * ld_acc + g * kGroup;
-#pragma GCC unroll 2
-                  for (int e = 0; e < 2; ++e) {
-                    const __m512i part = _mm512_add_epi32(
-                        _mm512_slli_epi32(_mm512_load_si512(c_tiles[2 * e + 1] + j * kGroup), 8),
-                        _mm512_load_si512(c_tiles[2 * e] + j * kGroup));
-                    __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part),
-                                               _mm512_mul_ps(s[g + e], _mm512_set1_ps(row_scale)),
-                                               _mm512_loadu_ps(a + e * kGroup));
-                    if constexpr (T != QType::Q8_0)
-                      v = _mm512_fmadd_ps(_mm512_set1_ps(row_sum), c2[g + e], v);
-                    _mm512_storeu_ps(a + e * kGroup, v);
-                  }
-                }
+                finish(c_tiles[2], c_tiles[3], g + 1);
               }
             }
           }
