@@ -70,6 +70,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -873,20 +874,17 @@ void row512i(const int16_t* xq, const float* xs, const float* xsum, const uint8_
 // each four inputs in the order 0, 2, 1, 3, laid out as the tiles that read them: the
 // tile of scale unit t (width inputs) and rows 16 mb .. 16 mb + 15 is 16 rows of width
 // bytes, at (t Mp / 16 + mb) 16 width, so that a tile load reads whole cache lines in
-// order; rows M .. Mp (Mp a multiple of 16) zeros.
-void split_rows_amx(const int16_t* xq, int64_t M, int64_t Mp, int64_t K, int64_t width, uint8_t* xl,
-                    uint8_t* xh) {
+// order; rows M .. Mp (Mp a multiple of 16) zeros. Rows begin .. end of them.
+void split_rows_amx(const int16_t* xq, int64_t M, int64_t Mp, int64_t K, int64_t width, int64_t begin,
+                    int64_t end, uint8_t* xl, uint8_t* xh) {
   const __m512i order = _mm512_set_epi16(31, 29, 30, 28, 27, 25, 26, 24, 23, 21, 22, 20, 19, 17,
                                          18, 16, 15, 13, 14, 12, 11, 9, 10, 8, 7, 5, 6, 4, 3, 1, 2, 0);
-  if (M < Mp) {
-    std::memset(xl, 0, Mp * K);
-    std::memset(xh, 0, Mp * K);
-  }
   const int64_t blocks = Mp / 16;
   auto at = [&](int64_t m, int64_t t) { return ((t * blocks + m / 16) * 16 + m % 16) * width; };
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = begin; m < end; ++m)
     for (int64_t k = 0; k < K; k += 32) {
-      const __m512i v = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(xq + m * K + k));
+      const __m512i v = m < M ? _mm512_permutexvar_epi16(order, _mm512_loadu_si512(xq + m * K + k))
+                              : _mm512_setzero_si512();
       const __m256i lo = _mm512_cvtepi16_epi8(v), hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
       if (width == 32) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xl + at(m, k / 32)), lo);
@@ -939,21 +937,25 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
   const int64_t Mp = (M + 15) / 16 * 16, tile_rows = std::min<int64_t>(M, 16);
   const Shape sh = shape_of<T>(n, K);
   const int64_t per_row = K / width;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xscales(M * per_row), sums(M * per_row);
-  quantize_rows256(x.data_ptr<at::BFloat16>(), x.stride(0), M, K, width, xq.data(), xscales.data(),
-                   sums.data());
-  std::vector<uint8_t> planes(2 * Mp * K);
-  uint8_t *xl = planes.data(), *xh = planes.data() + Mp * K;
-  split_rows_amx(xq.data(), M, Mp, K, width, xl, xh);
-  // each scale unit's row scales and sums, row after row (the epilogue reads 16 at a time)
-  std::vector<float> unit_rows(2 * per_row * Mp);
+  // x's preparation, 16 rows a work item: its 16-bit integers per scale unit (the AVX2
+  // path's), their byte planes, and each scale unit's row scales and sums row after row
+  // (the epilogue reads 16 at a time)
+  std::unique_ptr<int16_t[]> xq(new int16_t[M * K]);
+  std::vector<float> xscales(M * per_row), sums(M * per_row), unit_rows(2 * per_row * Mp);
+  std::unique_ptr<uint8_t[]> planes(new uint8_t[2 * Mp * K]);
+  uint8_t *xl = planes.get(), *xh = planes.get() + Mp * K;
   float *row_scales = unit_rows.data(), *row_sums = unit_rows.data() + per_row * Mp;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t u = 0; u < per_row; ++u) {
-      row_scales[u * Mp + m] = xscales[m * per_row + u];
-      row_sums[u * Mp + m] = sums[m * per_row + u];
-    }
+  at::parallel_for(0, Mp / 16, 1, [&](int64_t begin, int64_t end) {
+    const int64_t m0 = begin * 16, m1 = std::min(end * 16, M);
+    quantize_rows256(x.data_ptr<at::BFloat16>() + m0 * x.stride(0), x.stride(0), m1 - m0, K, width,
+                     xq.get() + m0 * K, xscales.data() + m0 * per_row, sums.data() + m0 * per_row);
+    split_rows_amx(xq.get(), M, Mp, K, width, m0, end * 16, xl, xh);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t u = 0; u < per_row; ++u) {
+        row_scales[u * Mp + m] = xscales[m * per_row + u];
+        row_sums[u * Mp + m] = sums[m * per_row + u];
+      }
+  });
   const WorkItems items{sh, M, n, kAmxChunkRows, true};
   at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     // tiles 0-3: two groups' sums of xl and of xh; 4, 5: xl, xh; 6, 7: two groups' quants
