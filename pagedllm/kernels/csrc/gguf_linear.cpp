@@ -957,7 +957,10 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
       }
   });
   const WorkItems items{sh, M, n, kAmxChunkRows, true};
-  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes the next work item when it is done with one, so that a core the
+  // hypervisor or another process holds back does not hold the call with a fixed share.
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // tiles 0-3: two groups' sums of xl and of xh; 4, 5: xl, xh; 6, 7: two groups' quants
     const uint8_t tr = static_cast<uint8_t>(tile_rows);
     pagedllm::configure_tiles({tr, tr, tr, tr, tr, tr, kRowsB, kRowsB},
@@ -969,7 +972,7 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
     static thread_local std::vector<float> acc_buffer;
     acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
     float* acc = acc_buffer.data();
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t it; (it = next_item.fetch_add(1, std::memory_order_relaxed)) < items.count();) {
       const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[it];
       const int64_t ld_acc = NG * kGroup;
       const uint8_t* w = packed + panel * sh.panel_bytes;
