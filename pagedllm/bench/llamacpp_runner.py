@@ -121,13 +121,13 @@ class LlamaCppRunner:
         self.url = f"http://127.0.0.1:{self.port}"
         self._version = server_version(binary)
         self.repack = repack and "--no-repack" not in extra_args
-        extra_args = (*extra_args, *(() if self.repack or "--no-repack" in extra_args else ("--no-repack",)))
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
                "-c", str(parallel * self.slot_ctx), "--cont-batching",
-               "-ctk", self.kv_type, "-ctv", self.kv_type, "--no-webui", *extra_args]
+               "-ctk", self.kv_type, "-ctv", self.kv_type, "--no-webui",
+               *(a for a in extra_args if a != "--no-repack")]
         try:
-            self._start(cmd, startup_timeout)
+            self._start(cmd if self.repack else [*cmd, "--no-repack"], startup_timeout)
         except RuntimeError:
             if not (self.repack and crashed(self.proc.returncode)):
                 raise

@@ -15,13 +15,17 @@ from pagedllm.bench.llamacpp_runner import LlamaBenchRunner, default_llama_bench
 from pagedllm.bench.workloads import BenchRequest, Workload
 from pagedllm.loader import default_model_path
 
+# {crash}: a condition on args under which it dies of SIGSEGV, as llama.cpp's AMX backend
+# does on some Xeons (llama.cpp issue #20824)
 FAKE = """#!/usr/bin/env python3
-import json, sys
+import json, os, signal, sys
 args = sys.argv[1:]
 if args == ["--version"]:
     print("version: 1 (fake)"); sys.exit(0)
 with open({log!r}, "a") as f:
     f.write(json.dumps(args) + "\\n")
+if {crash}:
+    os.kill(os.getpid(), signal.SIGSEGV)
 get = lambda flag: int(args[args.index(flag) + 1])
 p, n, r = get("-p"), get("-n"), get("-r")
 rates = [200.0, 100.0, 400.0][:r] if p else [50.0, 40.0, 60.0][:r]
@@ -29,14 +33,25 @@ print(json.dumps([{{"n_prompt": p, "n_gen": n, "n_depth": get("-d"), "samples_ts
 """
 
 
-@pytest.fixture
-def fake_bench(tmp_path):
+REPACKED = 'args[args.index("--repack") + 1] == "1"'
+
+
+def write_fake(tmp_path, crash: str = "False"):
     log = tmp_path / "calls.jsonl"
-    (tmp_path / "llama-server").write_text("")
     binary = tmp_path / "llama-bench"
-    binary.write_text(FAKE.format(log=str(log)))
+    binary.write_text(FAKE.format(log=str(log), crash=crash))
     binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
     return binary, log
+
+
+def repack_flags(log) -> list[str]:
+    return [c[c.index("--repack") + 1] for c in map(json.loads, log.read_text().splitlines())]
+
+
+@pytest.fixture
+def fake_bench(tmp_path):
+    (tmp_path / "llama-server").write_text("")
+    return write_fake(tmp_path)
 
 
 def test_latency_is_the_prompt_rate_and_the_decode_samples_at_the_prompt_depth(fake_bench):
@@ -64,6 +79,32 @@ def test_a_failing_llama_bench_is_a_clear_error(tmp_path):
     runner = LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1)
     with pytest.raises(RuntimeError, match="(?s)llama-bench exited with code 3.*no model"):
         runner.latency(Workload("latency", "", [BenchRequest([1, 2, 3], 4)]), iters=1)
+
+
+def test_one_that_segfaults_repacked_runs_again_without_repacking(tmp_path):
+    binary, log = write_fake(tmp_path, crash=REPACKED)
+    runner = LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1)
+    assert runner.settings()["repack"] is True
+    run = runner.latency(Workload("latency", "", [BenchRequest(list(range(50)), 8)]), iters=1)
+    assert run.ttft_s == [0.25] and run.decode_tok_s == [50.0]
+    assert repack_flags(log) == ["1", "0", "0"]  # the crash, its rerun, then the decode test
+    assert runner.settings()["repack"] is False
+
+
+def test_one_that_crashes_anyway_is_an_error(tmp_path):
+    binary, _ = write_fake(tmp_path, crash="True")
+    runner = LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1)
+    with pytest.raises(RuntimeError, match="llama-bench exited with code -11"):
+        runner.latency(Workload("latency", "", [BenchRequest([1, 2], 4)]), iters=1)
+
+
+def test_repack_off_is_asked_for_from_the_start(tmp_path):
+    # --llama-no-repack: llama.cpp's faster layout on some CPUs, no crash needed
+    binary, log = write_fake(tmp_path, crash=REPACKED)
+    runner = LlamaBenchRunner(str(binary), "m.gguf", "float32", threads=1, repack=False)
+    runner.latency(Workload("latency", "", [BenchRequest(list(range(50)), 8)]), iters=1)
+    assert repack_flags(log) == ["0", "0"]
+    assert runner.settings()["repack"] is False
 
 
 def test_the_cache_type_follows_pagedllms_kv_cache(fake_bench):

@@ -1,28 +1,15 @@
-"""llama.cpp with its weights repacked or not (--llama-no-repack). One whose repacked
-weights crash it (its AMX backend on some Xeons, llama.cpp issue #20824) is run again with
-repacking off, and the rows say so; any other failure is still an error. Driven against
-stand-in binaries that crash as the real one does."""
+"""llama-server with its weights repacked or not (--llama-no-repack). One whose repacked
+weights crash it (its AMX backend on some Xeons, llama.cpp issue #20824) is started again
+with repacking off, and the rows say so; any other failure is still an error. Driven
+against a stand-in server that crashes as the real one does (llama-bench's side:
+test_llama_bench.py)."""
 from __future__ import annotations
 
-import json
 import stat
 
 import pytest
 
-from pagedllm.bench.llamacpp_runner import LlamaBenchRunner, LlamaCppRunner, crashed
-from pagedllm.bench.workloads import BenchRequest, Workload
-
-BENCH = """#!/usr/bin/env python3
-import json, os, signal, sys
-args = sys.argv[1:]
-if args == ["--version"]:
-    print("version: 1 (fake)"); sys.exit(0)
-with open({log!r}, "a") as f:
-    f.write(json.dumps(args) + "\\n")
-if {always!r} or args[args.index("--repack") + 1] == "1":
-    os.kill(os.getpid(), signal.SIGSEGV)
-print(json.dumps([{{"samples_ts": [100.0]}}]))
-"""
+from pagedllm.bench.llamacpp_runner import LlamaCppRunner, crashed
 
 SERVER = """#!/usr/bin/env python3
 import http.server, os, signal, sys
@@ -54,26 +41,6 @@ def test_only_faults_count_as_crashes():
     assert not crashed(None) and not crashed(0) and not crashed(1) and not crashed(-15)
 
 
-def test_llama_bench_that_segfaults_repacked_runs_again_without_repacking(tmp_path):
-    log = tmp_path / "calls.jsonl"
-    binary = executable(tmp_path / "llama-bench", BENCH.format(log=str(log), always=False))
-    runner = LlamaBenchRunner(binary, "m.gguf", "float32", threads=1)
-    assert runner.settings()["repack"] is True
-    run = runner.latency(Workload("latency", "", [BenchRequest(list(range(50)), 8)]), iters=1)
-    assert run.ttft_s == [0.5] and run.decode_tok_s == [100.0]
-    repacks = [c[c.index("--repack") + 1] for c in map(json.loads, log.read_text().splitlines())]
-    assert repacks == ["1", "0", "0"]  # the crash, its rerun, then the decode test
-    assert runner.settings()["repack"] is False
-
-
-def test_llama_bench_that_crashes_anyway_is_an_error(tmp_path):
-    binary = executable(tmp_path / "llama-bench",
-                        BENCH.format(log=str(tmp_path / "calls.jsonl"), always=True))
-    runner = LlamaBenchRunner(binary, "m.gguf", "float32", threads=1)
-    with pytest.raises(RuntimeError, match="llama-bench exited with code -11"):
-        runner.latency(Workload("latency", "", [BenchRequest([1, 2], 4)]), iters=1)
-
-
 def test_llama_server_that_segfaults_repacked_starts_again_without_repacking(tmp_path):
     binary = executable(tmp_path / "llama-server", SERVER.format(fail=False))
     runner = LlamaCppRunner(binary, "m.gguf", "float32", threads=1, parallel=1, max_seq_len=64,
@@ -94,11 +61,6 @@ def test_llama_server_that_fails_without_repacking_too_is_an_error(tmp_path):
 
 def test_repack_off_is_asked_for_from_the_start(tmp_path):
     # --llama-no-repack: llama.cpp's faster layout on some CPUs, no crash needed
-    log = tmp_path / "calls.jsonl"
-    bench = LlamaBenchRunner(executable(tmp_path / "llama-bench", BENCH.format(log=str(log), always=False)),
-                             "m.gguf", "float32", threads=1, repack=False)
-    bench.latency(Workload("latency", "", [BenchRequest(list(range(50)), 8)]), iters=1)
-    assert [c[c.index("--repack") + 1] for c in map(json.loads, log.read_text().splitlines())] == ["0", "0"]
     server = LlamaCppRunner(executable(tmp_path / "llama-server", SERVER.format(fail=False)), "m.gguf",
                             "float32", threads=1, parallel=1, max_seq_len=64, startup_timeout=60,
                             repack=False, extra_args=("--metrics",))
