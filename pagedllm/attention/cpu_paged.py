@@ -372,7 +372,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         return torch_native.attention(q, k, v, k_cache, v_cache, ctx, scale, window, softcap)
     ops.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     if ctx.is_prefill:  # (decode rows read the cache only)
-        k, v = torch_native.as_cached(k, v, k_cache)
+        k, v = torch_native.as_stored(k, v, k_cache, v_cache, ctx.slot_mapping)
     # q is a view into the step's qkv projection: the kernel reads it in place (a copy cost
     # 21 us per layer at 64 rows); the output is contiguous.
     if not ctx.is_prefill:
