@@ -240,6 +240,7 @@ struct WorkItems {
 constexpr int64_t kChunkRows = 256;  // rows per work item
 constexpr int64_t kFewRows = 3;      // AVX2: up to this many, one-row tiles of a whole panel
 constexpr int kTileRows = 4;         // rows of a many-row tile (AVX-512)
+constexpr int64_t kVnniTileRows = 5;  // AMX CPUs below kAmxMinRows: rows512i's most rows
 
 // y[:, :cols] = v (a tile's fp32 sums, 16 per group) as Out.
 template <typename Out>
@@ -788,17 +789,18 @@ void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
 // product on AMX-BF16 would need) and runs every 16 rows against them (the x planes laid
 // out tile by tile, each tile's 16 rows in a run of whole cache lines), the sums kept in a
 // per-thread fp32 buffer; of each two groups, the second's products run while the first's
-// sums are stored and scaled. Below kAmxMinRows rows each row runs
-// alone on AVX512-VNNI (row512i: the AVX2 path's one-row tiles, 512 bits wide), to the
-// same sums again.
+// sums are stored and scaled. Below kAmxMinRows rows they run on AVX512-VNNI, to the same
+// sums again: one row alone by a whole panel (row512i: the AVX2 path's one-row tiles, 512
+// bits wide), more in tiles of up to kVnniTileRows rows by half a panel (rows512i), each
+// unpacked weight vector multiplied into every row's sums.
 #if defined(PAGEDLLM_AMX) && defined(GGUF_AVX512) && defined(GGUF_AVX2) && defined(__AMX_INT8__)
 #define GGUF_AMX 1
 constexpr int64_t kAmxChunkRows = 128;  // rows per work item
-// From how many rows the tiles run; fewer, the AVX2 path's sums on AVX512-VNNI, one row at
-// a time (row512i). Measured on the Xeon (docs/quantization.md): per row, VNNI ran one row
-// in 0.7-0.8x the AVX512-BF16 dot products' time (Q8_0 0.35x), the tiles 4 rows in
-// 0.75-1.25x VNNI's time, 8 rows in 0.5-0.8x.
-constexpr int64_t kAmxMinRows = 6;
+// From how many rows the tiles run; fewer, the AVX2 path's sums on AVX512-VNNI. Measured
+// on the Xeon (docs/quantization.md): VNNI ran one row in 0.7-0.8x the AVX512-BF16 dot
+// products' time (Q8_0 0.35x); with rows512i's tiles 6-8 rows ran in 0.56-0.89x the AMX
+// tiles' time, 9 rows in 0.78-1.03x, 10 in 0.78-1.12x, 16 in 1.1-1.5x.
+constexpr int64_t kAmxMinRows = 9;
 
 // q of pair 4u + s of a group's unit, 16 outputs' pairs as 16-bit integers (word 2o + e:
 // output o's element e): quants256's two halves in one vector.
@@ -868,6 +870,65 @@ void row512i(const int16_t* xq, const float* xs, const float* xsum, const uint8_
     }
   }
   for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + g * kGroup, acc[g]);
+}
+
+// row512i for MR rows at once by groups g0, g0 + 1 of the panel (out: row stride ldo): each
+// unpacked weight vector feeds every row's VPDPWSSD, where row512i unpacks it again for each
+// row. The same int32 per scale unit and the same epilogue per (row, group) as row512i, so
+// the same results bit for bit. The half panel starting at group 0 prefetches the panel.
+template <QType T, int MR>
+void rows512i(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, int64_t ldxs,
+              const uint8_t* w, int64_t G, int64_t g0, int64_t blocks, float* out, int64_t ldo) {
+  using F = Format<T>;
+  constexpr int kRuns = 4 / F::kSubs;
+  const int64_t ahead = prefetch_distance<T>(G);
+  const bool prefetch = g0 == 0;
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * G * kGroupBlock<T>;
+    for (int i = 0; i < kUnits<T>; ++i) {
+      const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+      const int16_t* xu = xq + b * F::kBlock + i * kUnitInputs;
+#pragma GCC unroll 1
+      for (int h = 0; h < F::kSubs; ++h) {
+        __m512i part[MR][2];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+        for (int u = h * kRuns; u < (h + 1) * kRuns; ++u) {
+          if (prefetch) prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+            const __m512i q0 = quants512<T>(units, u, s), q1 = quants512<T>(units + F::kUnit, u, s);
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; ++m) {
+              int32_t xp;
+              std::memcpy(&xp, xu + m * ldx + 8 * u + 2 * s, sizeof(xp));
+              const __m512i pair = _mm512_set1_epi32(xp);
+              part[m][0] = _mm512_dpwssd_epi32(part[m][0], q0, pair);
+              part[m][1] = _mm512_dpwssd_epi32(part[m][1], q1, pair);
+            }
+          }
+        }
+        const int64_t sub = b * kUnits<T> * F::kSubs + i * F::kSubs + h;
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; ++g) {
+          __m512 sc, c2;
+          scales_avx2_512<T>(blk + (g0 + g) * F::kHeader, i * F::kSubs + h, sc, c2);
+#pragma GCC unroll 4
+          for (int m = 0; m < MR; ++m) {
+            acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[m][g]),
+                                        _mm512_mul_ps(sc, _mm512_set1_ps(xs[m * ldxs + sub])), acc[m][g]);
+            if constexpr (T != QType::Q8_0)
+              acc[m][g] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][g]);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < 2; ++g) _mm512_storeu_ps(out + m * ldo + (g0 + g) * kGroup, acc[m][g]);
 }
 
 // Rows of xq (16-bit, row stride K) as the byte planes xl (low bytes) and xh (high, signed),
@@ -1105,7 +1166,7 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
 #endif
   const WorkItems items{sh, M, n, kChunkRows, few};  // whole panels for few rows
   at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float out[kTileRows * 4 * kGroup];  // one tile's sums
+    alignas(64) float out[kVnniTileRows * 4 * kGroup];  // one tile's sums
     for (int64_t i = begin; i < end; ++i) {
       const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[i];
       const uint8_t* w = packed + panel * sh.panel_bytes;
@@ -1155,6 +1216,27 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
         // ran from L2); many rows, tiles of up to kTileRows rows by one group.
         const int16_t* xr = xq.data() + m0 * K;
         const float* xsr = xscales.data() + m0 * per_row;
+#if defined(GGUF_AMX)
+        if (vnni && rows > 1) {  // tiles of up to kVnniTileRows rows by half panels
+          for (int64_t m = 0; m < rows; m += kVnniTileRows) {
+            const int64_t r = std::min<int64_t>(kVnniTileRows, rows - m);
+            auto tile = [&]<int MR>() {
+              for (int64_t g = 0; g < G; g += 2)
+                rows512i<T, MR>(xr + m * K, K, xsr + m * per_row, xs + m * per_row, per_row, w, G,
+                                g, sh.blocks, out, G * kGroup);
+            };
+            switch (r) {
+              case 1: tile.template operator()<1>(); break;
+              case 2: tile.template operator()<2>(); break;
+              case 3: tile.template operator()<3>(); break;
+              case 4: tile.template operator()<4>(); break;
+              default: tile.template operator()<5>(); break;
+            }
+            store_rows(m, r);
+          }
+          continue;
+        }
+#endif
         if (few) {
           for (int64_t m = 0; m < rows; ++m) {
             auto row = [&]<int NG>() {
