@@ -48,8 +48,9 @@ def as_stored(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """as_cached, once the new tokens are stored in their slots: an int8 cache's copies are
     read back and dequantized rather than quantized a second time (a 2048-token prompt's K of
-    8 heads of 128: 6 ms against 15-75 on two cores). Tokens not stored (slot -1): as_cached."""
-    if (kv_quant.is_quantized(k_cache) and slot_mapping.numel()
+    8 heads of 128: 6 ms against 15-75 on two cores). Tokens not stored (slot -1), or no
+    cache bound: as_cached."""
+    if (k_cache.numel() and kv_quant.is_quantized(k_cache) and slot_mapping.numel()
             and int(slot_mapping.min()) >= 0):
         heads, width = k_cache.shape[-2:]
         return tuple(kv_quant.dequantize(c.view(-1, heads, width).index_select(0, slot_mapping),
@@ -178,8 +179,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
     if not ctx.is_prefill:
         return decode_attention(q, k_cache, v_cache, ctx, scale, window, softcap)
-    if k_cache.numel():  # (decode rows read the cache only)
-        k, v = as_stored(k, v, k_cache, v_cache, ctx.slot_mapping)
+    k, v = as_stored(k, v, k_cache, v_cache, ctx.slot_mapping)  # (decode rows read the cache only)
     d = ctx.num_decodes  # a mixed batch: decode rows first, one token each
     if d == 0:
         return prefill_attention(q, k, v, k_cache, v_cache, ctx, scale, 0, window, softcap)

@@ -823,6 +823,15 @@ inline void scales_avx2_512(const uint8_t* header, int sub, __m512& s, __m512& c
   c2 = _mm512_insertf32x8(_mm512_castps256_ps512(c0), c1, 1);
 }
 
+// add_unit256 on 16 outputs: the same fp32 operations in the same order, so that every
+// AVX512-VNNI and AMX path ends each scale unit as the AVX2 path does.
+template <QType T>
+inline __m512 add_unit512(__m512 acc, __m512i part, __m512 s, __m512 c2, float xs, float xsum) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part), _mm512_mul_ps(s, _mm512_set1_ps(xs)), acc);
+  if constexpr (T != QType::Q8_0) acc = _mm512_fmadd_ps(_mm512_set1_ps(xsum), c2, acc);
+  return acc;
+}
+
 // row256's sums (the same int32 per scale unit, the same fp32 epilogue) on 512-bit
 // vectors: VPDPWSSD multiplies a unit's 16 outputs' pairs by the row's pair and adds both
 // products to each output's sum in one instruction.
@@ -862,9 +871,7 @@ void row512i(const int16_t* xq, const float* xs, const float* xsum, const uint8_
         for (int g = 0; g < NG; ++g) {
           __m512 s, c2;
           scales_avx2_512<T>(blk + g * F::kHeader, i * F::kSubs + h, s, c2);
-          acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[g]), _mm512_mul_ps(s, _mm512_set1_ps(xs[sub])),
-                                   acc[g]);
-          if constexpr (T != QType::Q8_0) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[sub]), c2, acc[g]);
+          acc[g] = add_unit512<T>(acc[g], part[g], s, c2, xs[sub], xsum[sub]);
         }
       }
     }
@@ -917,12 +924,8 @@ void rows512i(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum
           __m512 sc, c2;
           scales_avx2_512<T>(blk + (g0 + g) * F::kHeader, i * F::kSubs + h, sc, c2);
 #pragma GCC unroll 4
-          for (int m = 0; m < MR; ++m) {
-            acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[m][g]),
-                                        _mm512_mul_ps(sc, _mm512_set1_ps(xs[m * ldxs + sub])), acc[m][g]);
-            if constexpr (T != QType::Q8_0)
-              acc[m][g] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * ldxs + sub]), c2, acc[m][g]);
-          }
+          for (int m = 0; m < MR; ++m)
+            acc[m][g] = add_unit512<T>(acc[m][g], part[m][g], sc, c2, xs[m * ldxs + sub], xsum[m * ldxs + sub]);
         }
       }
     }
@@ -1069,10 +1072,7 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
                 for (int64_t j = 0; j < r; ++j, a += ld_acc) {
                   const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + j * kGroup), 8),
                                                      _mm512_load_si512(cl + j * kGroup));
-                  __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sg, _mm512_set1_ps(rsc[j])),
-                                             _mm512_loadu_ps(a));
-                  if constexpr (T != QType::Q8_0) v = _mm512_fmadd_ps(_mm512_set1_ps(rsm[j]), dg, v);
-                  _mm512_storeu_ps(a, v);
+                  _mm512_storeu_ps(a, add_unit512<T>(_mm512_loadu_ps(a), p, sg, dg, rsc[j], rsm[j]));
                 }
               };
               for (int64_t g = 0; g < NG; g += 2) {
