@@ -34,6 +34,10 @@ inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]
     config.colsb[t] = bytes[t];
     config.rows[t] = rows[t];
   }
+  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes: without this barrier the
+  // stores to the rest of the 64 may be dropped (seen: only the palette stored, LDTILECFG
+  // faulting on the stack's garbage).
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
