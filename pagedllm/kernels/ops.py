@@ -72,7 +72,8 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 def allow_dot_scores(allowed: bool) -> None:
-    """Tests: False makes paged_attention widen bf16 keys even where dot products run."""
+    """Tests: True makes paged_attention score bf16 keys by AVX512-BF16 dot products where
+    the CPU has them (the default but on AMX CPUs, which widen them), False widens them."""
     _ext.allow_dot_scores(allowed)
 
 

@@ -25,18 +25,20 @@ def kernel_builds():
 @pytest.fixture(scope="module", autouse=True, params=["avx512_bf16", "avx512"])
 def bf16_scores(request, kernel_builds):
     """Every test runs on each way the CPU can score bf16 keys: AVX512-BF16 dot products,
-    and keys widened to fp32 (on a CPU with dot products, turned off for the module). Only
-    a CPU without the instructions skips, and says so."""
+    and keys widened to fp32 (on a CPU with dot products, turned off for the module; on
+    one with AMX, the default, dot products turned on). Only a CPU without the
+    instructions skips, and says so."""
     needs = {"avx512_bf16": {"avx512_bf16", "avx512bw"}, "avx512": {"avx512f", "avx512bw"}}
     if not needs[request.param] <= cpu_flags():
         pytest.skip(f"this CPU has no {request.param}: that path of the kernel is not run here")
     ext = build.load()
+    dot_before = ext.paged_attention_scores() == "avx512_bf16"  # (this CPU's default)
     ext.allow_dot_scores(request.param == "avx512_bf16")
     try:
         assert ext.paged_attention_scores() == request.param
         yield request.param
     finally:
-        ext.allow_dot_scores(True)
+        ext.allow_dot_scores(dot_before)
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_scores", &pagedllm::paged_attention_scores,
         "how paged_attention scores bf16 keys here: 'avx512_bf16', 'avx512' or 'scalar'");
   m.def("allow_dot_scores", &pagedllm::allow_dot_scores,
-        "tests: False makes paged_attention widen bf16 keys even where dot products run");
+        "tests: True scores bf16 keys by dot products where the CPU has them (default but on AMX CPUs), False widens them");
   m.def("prompt_attention", &pagedllm::prompt_attention,
         "out[prompts' tokens] = causal attention of each prompt over its own tokens (bf16; "
         "AMX or AVX512-BF16)",

@@ -19,7 +19,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 // How paged_attention scores bf16 keys here: "avx512_bf16" (dot products), "avx512"
 // (widened to fp32) or "scalar".
 std::string paged_attention_scores();
-// Tests: false makes bf16 keys take the widening path even where dot products run.
+// Tests: true scores bf16 keys by dot products where the CPU has them (the default but on
+// AMX CPUs, whose VDPBF16PS is slow), false widens them.
 void allow_dot_scores(bool allowed);
 // out[prompts' tokens] = causal attention of each prompt (q/k/v[starts[i]:][:lens[i]]) over
 // its own tokens, bf16, on AMX tiles (prompt_attention.cpp) where amx_available() (amx.h),
