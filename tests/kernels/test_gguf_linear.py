@@ -153,15 +153,15 @@ def test_the_avx2_path_agrees_with_the_avx512_path(ext, qtype):
 @pytest.mark.skipif(not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_and_the_default(ext, qtype):
-    """AMX tiles from kAmxMinRows (9) rows, AVX512-VNNI below (one row alone, else tiles of up
-    to 5 rows, 6-8 rows as two): all the AVX2 path's integer sums and epilogue, so every row
+    """AMX tiles from kAmxMinRows (11) rows, AVX512-VNNI below (one row alone, else tiles of up
+    to 5 rows, 6-10 rows as two): all the AVX2 path's integer sums and epilogue, so every row
     count equals AVX2 bit for bit (and so a row alone equals it in any batch); where the CPU
     has AMX it is what runs unasked."""
     assert ops.gguf_linear_isa() == "amx"
     n, k = 80, 2 * block_of(qtype)
     raw = random_gguf(qtype, n, k, seed=6)
     packed = pack_gguf(qtype, raw, n, k)
-    for rows in (1, 2, 3, 4, 5, 6, 8, 9, 10, 16, 17, 40):
+    for rows in (1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 16, 17, 40):
         x = torch.randn(rows, k).bfloat16()
         tiles = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
         try:

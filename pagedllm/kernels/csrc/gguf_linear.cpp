@@ -799,8 +799,10 @@ constexpr int64_t kAmxChunkRows = 128;  // rows per work item
 // From how many rows the tiles run; fewer, the AVX2 path's sums on AVX512-VNNI. Measured
 // on the Xeon (docs/quantization.md): VNNI ran one row in 0.7-0.8x the AVX512-BF16 dot
 // products' time (Q8_0 0.35x); with rows512i's tiles 6-8 rows ran in 0.56-0.89x the AMX
-// tiles' time, 9 rows in 0.78-1.03x, 10 in 0.78-1.12x, 16 in 1.1-1.5x.
-constexpr int64_t kAmxMinRows = 9;
+// tiles' time, 9 rows in 0.78-1.03x, 10 in 0.78-1.12x, 16 in 1.1-1.5x; measured again at
+// 9-12 rows on seven weights (K 576-3072, the bundled model's head among them): 9 rows
+// 0.63-0.99x, 10 rows 0.84-1.10x (five of seven faster), 11 and 12 0.65-1.53x.
+constexpr int64_t kAmxMinRows = 11;
 
 // q of pair 4u + s of a group's unit, 16 outputs' pairs as 16-bit integers (word 2o + e:
 // output o's element e): quants256's two halves in one vector.
