@@ -1,3 +1,8 @@
+# AMX-INT8 tiles against AVX512-VNNI tiles at 9-12 rows (amx-threshold-9-12.json). Two
+# scratch builds of gguf_linear.cpp: /tmp/kb/a9 (kAmxMinRows 9, as it was) and /tmp/kb/a13
+# (13: every row count here on VNNI), each g.cpp beside a bind.cpp exposing
+# pagedllm::gguf_linear and force_gguf_linear_isa as gguf_linear(x, packed, qtype, n) and
+# force(isa). Usage: python amx_threshold_ab.py OUT.json (2 threads, median of 8 rounds).
 import torch, time, sys, statistics, json
 from torch.utils.cpp_extension import load
 def ld(v):
