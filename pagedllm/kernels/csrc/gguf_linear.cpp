@@ -603,8 +603,65 @@ inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m25
 // Rows x, rounded per scale unit: xq (16-bit, row stride K), xs (each unit's power of
 // two) and xsum (xs sum(xq)), per_row = K / width units a row. A unit holding an inf or a
 // NaN gets a NaN scale, so its outputs are NaN as they would be in floating point.
+#if defined(GGUF_AVX512)
+// 2^e as a float: its bits where e is a normal exponent, else std::ldexp (0, a denormal or inf).
+inline float power_of_two(int e) {
+  if (e < -126 || e > 127) return std::ldexp(1.f, e);
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// quantize_rows256's results bit for bit, a scale unit (16 or 32 inputs) in one or two
+// 512-bit vectors: the same fp32 values, the same power of two (std::frexp's exponent read
+// from the bits of a normal top), the same rounding (MXCSR's) and saturation, the same sum.
+void quantize_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
+                      int16_t* xq, float* xs, float* xsum) {
+  const int64_t per_row = K / width, halves = width / 16;
+  const __m512i lowest = _mm512_set1_epi32(-32768), highest = _mm512_set1_epi32(32767);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < per_row; ++j) {
+      const at::BFloat16* p = x + m * ldx + j * width;
+      __m512 f[2];
+      __m512 big = _mm512_setzero_ps();
+      __mmask16 nan = 0;
+      for (int64_t h = 0; h < halves; ++h) {
+        f[h] = pagedllm::load16(p + 16 * h);
+        big = _mm512_max_ps(big, _mm512_abs_ps(f[h]));
+        nan |= _mm512_cmp_ps_mask(f[h], f[h], _CMP_UNORD_Q);
+      }
+      const float top = _mm512_reduce_max_ps(big);
+      const bool finite = nan == 0 && std::isfinite(top);
+      int16_t* q = xq + m * K + j * width;
+      if (top == 0.f || !finite) {
+        std::memset(q, 0, width * sizeof(int16_t));
+        xs[m * per_row + j] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        xsum[m * per_row + j] = 0.f;
+        continue;
+      }
+      uint32_t bits;
+      std::memcpy(&bits, &top, sizeof(bits));
+      int exponent = static_cast<int>(bits >> 23) - 126;  // std::frexp's, for a normal top
+      if ((bits >> 23) == 0) std::frexp(top, &exponent);
+      const __m512 up = _mm512_set1_ps(power_of_two(15 - exponent));
+      __m512i total = _mm512_setzero_si512();
+      for (int64_t h = 0; h < halves; ++h) {
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(f[h], up));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * h), _mm512_cvtsepi32_epi16(r));
+        total = _mm512_add_epi32(total, _mm512_min_epi32(_mm512_max_epi32(r, lowest), highest));
+      }
+      xs[m * per_row + j] = power_of_two(exponent - 15);
+      xsum[m * per_row + j] = static_cast<float>(_mm512_reduce_add_epi32(total)) * xs[m * per_row + j];
+    }
+}
+#endif
+
 void quantize_rows256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
                       int16_t* xq, float* xs, float* xsum) {
+#if defined(GGUF_AVX512)
+  return quantize_rows512(x, ldx, M, K, width, xq, xs, xsum);
+#endif
   const int64_t per_row = K / width;
   alignas(32) float v[32];
   for (int64_t m = 0; m < M; ++m)
