@@ -1,3 +1,8 @@
+// The check behind d06ded4: quantize_rows512 against quantize_rows256 (renamed _ref here),
+// both copied from pagedllm/kernels/csrc/gguf_linear.cpp as of that commit (a snapshot: the
+// kernel's own tests compare each path with float64 products and across batches), on
+// 20,000 random trials per unit width of zeros, denormals, tiny normals, inf, NaN and
+// ordinary values; then both timed on 128 x 3072. g++ -O3 -march=native -std=c++17.
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>

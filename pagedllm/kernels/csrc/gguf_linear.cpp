@@ -600,6 +600,18 @@ inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m25
   }
 }
 
+// A scale unit of x whose largest |x| is top that rounds to nothing: all zeros, or holding
+// an inf or a NaN (not finite: a NaN scale, so that its outputs are NaN). Writes its zero
+// integers, scale and sum and returns true; otherwise writes nothing.
+inline bool rounds_to_nothing(float top, bool finite, int16_t* q, int64_t width, float& xs,
+                              float& xsum) {
+  if (top != 0.f && finite) return false;
+  std::memset(q, 0, width * sizeof(int16_t));
+  xs = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+  xsum = 0.f;
+  return true;
+}
+
 #if defined(GGUF_AVX512)
 // 2^e as a float: its bits where e is a normal exponent, else std::ldexp (0, a denormal or inf).
 inline float power_of_two(int e) {
@@ -631,12 +643,8 @@ void quantize_rows512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, 
       const float top = _mm512_reduce_max_ps(big);
       const bool finite = nan == 0 && std::isfinite(top);
       int16_t* q = xq + m * K + j * width;
-      if (top == 0.f || !finite) {
-        std::memset(q, 0, width * sizeof(int16_t));
-        xs[m * per_row + j] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
-        xsum[m * per_row + j] = 0.f;
+      if (rounds_to_nothing(top, finite, q, width, xs[m * per_row + j], xsum[m * per_row + j]))
         continue;
-      }
       uint32_t bits;
       std::memcpy(&bits, &top, sizeof(bits));
       int exponent = static_cast<int>(bits >> 23) - 126;  // std::frexp's, for a normal top
@@ -681,12 +689,8 @@ void quantize_rows256(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, 
       const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 1)));
       const bool finite = _mm256_movemask_ps(nan) == 0 && std::isfinite(top);
       int16_t* q = xq + m * K + j * width;
-      if (top == 0.f || !finite) {
-        std::memset(q, 0, width * sizeof(int16_t));
-        xs[m * per_row + j] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
-        xsum[m * per_row + j] = 0.f;
+      if (rounds_to_nothing(top, finite, q, width, xs[m * per_row + j], xsum[m * per_row + j]))
         continue;
-      }
       int exponent;
       std::frexp(top, &exponent);  // top < 2^exponent: |x| / 2^(exponent - 15) < 2^15
       const float up = std::ldexp(1.f, 15 - exponent);
