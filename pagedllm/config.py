@@ -80,6 +80,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = _opt(
         "KV-cache budget on the CPU as a fraction of available RAM (shared by the ranks on "
         "one machine)", default=0.25)
+    kv_cache_populate: bool = _opt(
+        "on the CPU, commit the KV cache's memory at start (the kernel zeroes it: seconds per "
+        "GB on some machines) instead of as its blocks are first written, so that the first "
+        "requests pay no page faults; `pagedllm bench` sets it", default=False)
     gpu_memory_utilization: float = _opt(
         "on CUDA, the fraction of each GPU's memory the engine may use: weights, the peak "
         "activations of a profiled warm-up step at the full token budget, and the KV cache, "

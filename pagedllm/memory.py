@@ -58,13 +58,14 @@ def huge_page_bytes(nbytes: int, populate: bool = True) -> torch.Tensor:
         return whole[start:start + nbytes].zero_()
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype) on the CPU, on 2 MiB pages where possible."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = True) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on the CPU, on 2 MiB pages where possible;
+    populate=False: pages committed as they are first written (huge_page_bytes)."""
     numel = 1
     for n in shape:
         numel *= n
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_page_bytes(numel * itemsize).view(dtype).view(shape)
+    return huge_page_bytes(numel * itemsize, populate).view(dtype).view(shape)
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:

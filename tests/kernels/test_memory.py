@@ -39,6 +39,48 @@ def test_zeros_are_zero_aligned_and_on_huge_pages():
     assert huge_kib_at(t.data_ptr()) >= 2048            # at fault time, where the kernel has them
 
 
+def rss_kib_at(address: int) -> int:
+    """Rss (KiB) of the mapping holding address, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_unpopulated_zeros_commit_pages_as_they_are_written():
+    t = memory.zeros((64, 2**20), torch.uint8, populate=False)   # 64 MiB
+    assert t.data_ptr() % memory.HUGE_PAGE == 0
+    assert rss_kib_at(t.data_ptr()) < 4096                 # nothing committed yet
+    assert not t.any()                                     # untouched pages read as zeros
+    t[10].fill_(7)
+    t[40, 5] = 9
+    assert 4096 <= rss_kib_at(t.data_ptr()) < 16384        # only the two pages written
+    assert int(t.sum()) == 7 * 2**20 + 9
+
+
+def test_the_kv_cache_is_zero_and_committed_only_as_it_is_written():
+    """LLM() does not wait for the kernel to commit (zero, compact) the whole KV budget: the
+    blocks' pages are committed as store_kv first writes them."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.kv_cache import KVCacheShape, allocate_kv_cache
+    config = EngineConfig(kv_cache_memory_bytes=256 * 2**20, max_model_len=4096)
+    shape = KVCacheShape(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64,
+                         dtype=torch.bfloat16)
+    kv = allocate_kv_cache(config, shape, torch.device("cpu"), 1, log=False)
+    assert kv.nbytes > 200 * 2**20
+    assert rss_kib_at(kv.data_ptr()) < 4096
+    assert not kv[:, :, :64].any()
+    kv[1, 3, 7] = 1.0                                      # one block of one layer's V
+    assert rss_kib_at(kv.data_ptr()) < 8192
+    assert int(kv.count_nonzero()) == kv[1, 3, 7].numel()
+
+
 def test_moved_parameters_keep_values_identity_and_ties():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(4096, 256), nn.Linear(256, 4096, bias=False),
