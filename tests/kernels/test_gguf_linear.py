@@ -161,15 +161,26 @@ def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_and_the_default(ext, qt
     n, k = 80, 2 * block_of(qtype)
     raw = random_gguf(qtype, n, k, seed=6)
     packed = pack_gguf(qtype, raw, n, k)
+    # Scale units of 16 inputs (a Q6_K unit; the other types' 32 are two) scaled apart, some
+    # all zero, some bf16 denormals or near them, some near the top of the range, one with an
+    # inf: each path rounds x to 16-bit integers per unit with its own code (quantize_rows512
+    # for the tiles and VNNI, quantize_rows256 for the AVX2 path), so this checks those too.
+    unit_scales = torch.tensor([0.0, 2.0**-133, 2.0**-126, 2.0**-120, 1.0, 2.0**-20, 2.0**100])
     for rows in (1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 16, 17, 40):
         x = torch.randn(rows, k).bfloat16()
-        tiles = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
-        try:
-            ops.force_gguf_linear_isa("avx2")
-            avx2 = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
-        finally:
-            ops.force_gguf_linear_isa("")
-        assert torch.equal(tiles, avx2), rows
+        units = torch.randint(len(unit_scales), (rows, k // 16), generator=torch.Generator().manual_seed(rows))
+        spread = (torch.randn(rows, k) * unit_scales[units].repeat_interleave(16, 1)).bfloat16()
+        spread[rows // 2, 16 * (rows % (k // 16)) + 3] = float("inf")
+        for xs in (x, spread):
+            tiles = ops.gguf_linear(xs, packed, int(qtype), n, fp32_out=True)
+            try:
+                ops.force_gguf_linear_isa("avx2")
+                avx2 = ops.gguf_linear(xs, packed, int(qtype), n, fp32_out=True)
+            finally:
+                ops.force_gguf_linear_isa("")
+            torch.testing.assert_close(tiles, avx2, rtol=0, atol=0, equal_nan=True, msg=str(rows))
+        nan_rows = tiles.isnan().all(1)                 # the row holding the inf, only
+        assert nan_rows[rows // 2] and int(nan_rows.sum()) == 1 and not tiles[~nan_rows].isnan().any()
 
 
 @pytest.mark.skipif(cpu_has_amx_int8(), reason="this CPU has AMX-INT8")
