@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(not memory.huge_pages_available(),
                                 reason="transparent huge pages are off on this kernel")
 
 
-def huge_kib_at(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping holding address, from /proc/self/smaps."""
+def smaps_kib_at(address: int, field: str) -> int:
+    """A field (KiB: "Rss", "AnonHugePages") of the mapping holding address, from
+    /proc/self/smaps."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -26,9 +27,17 @@ def huge_kib_at(address: int) -> int:
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and line.startswith("AnonHugePages:"):
+            elif inside and line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def huge_kib_at(address: int) -> int:
+    return smaps_kib_at(address, "AnonHugePages")
+
+
+def rss_kib_at(address: int) -> int:
+    return smaps_kib_at(address, "Rss")
 
 
 def test_zeros_are_zero_aligned_and_on_huge_pages():
@@ -37,20 +46,6 @@ def test_zeros_are_zero_aligned_and_on_huge_pages():
     assert not t.any()
     assert t.data_ptr() % memory.HUGE_PAGE == 0
     assert huge_kib_at(t.data_ptr()) >= 2048            # at fault time, where the kernel has them
-
-
-def rss_kib_at(address: int) -> int:
-    """Rss (KiB) of the mapping holding address, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_unpopulated_zeros_commit_pages_as_they_are_written():
