@@ -252,8 +252,51 @@ inline void store_row(Out* y, const float* v, int64_t cols) {
   for (; j < cols; ++j) y[j] = static_cast<Out>(v[j]);  // (c10's rounding, as store16's)
 }
 
+// The AVX2 path's s and c2 (w = s q + c2) of a scale unit `sub` from a group's header, on
+// vectors of L's outputs (Lanes8 for scales256, Lanes16 for the AVX-512 paths that end each
+// unit as the AVX2 path does): one formula, so the two widths give the same bits.
+template <QType T, typename L>
+inline void avx2_scales(const L& lanes, const uint8_t* header, int sub, typename L::Vec& s,
+                        typename L::Vec& c2) {
+  constexpr bool kSigned = T == QType::Q6_K;  // Q6_K's sub-block scales are int8
+  if constexpr (T == QType::Q4_0) {
+    s = lanes.fp16(header);
+    c2 = L::mul(s, L::set1(-8.f));
+  } else if constexpr (T == QType::Q4_1) {
+    s = lanes.fp16(header);
+    c2 = lanes.fp16(header + 32);
+  } else if constexpr (T == QType::Q8_0) {
+    s = lanes.fp16(header);
+    c2 = L::zero();
+  } else if constexpr (T == QType::Q6_K) {
+    s = L::mul(lanes.fp16(header), lanes.template bytes<kSigned>(header + 32 + 16 * sub));
+    c2 = L::mul(s, L::set1(-32.f));
+  } else {
+    s = L::mul(lanes.fp16(header), lanes.template bytes<kSigned>(header + 64 + 16 * sub));
+    c2 = L::sub(L::zero(), L::mul(lanes.fp16(header + 32),
+                                  lanes.template bytes<kSigned>(header + 192 + 16 * sub)));
+  }
+}
+
 // ---- AVX-512 (AVX512-BF16) -------------------------------------------------------------
 #if defined(GGUF_AVX512)
+// A group's 16 outputs of a header field: fp16 values (32 bytes) or bytes (16) at p, as fp32.
+struct Lanes16 {
+  using Vec = __m512;
+  static Vec fp16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  template <bool kSigned>
+  static Vec bytes(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+  static Vec set1(float v) { return _mm512_set1_ps(v); }
+  static Vec zero() { return _mm512_setzero_ps(); }
+};
+
 // Bits `from`.. of each 16-bit word moved to bit 4 (the other bits are masked off after).
 inline __m512i bits_to_4(__m512i v, int from) {
   return from >= 4 ? _mm512_srli_epi16(v, from - 4) : _mm512_slli_epi16(v, 4 - from);
@@ -300,13 +343,8 @@ inline __m512bh decode512(const uint8_t* unit, int u, int s) {
 // A group's s and c for scale unit `sub` of its block (header: the group's scales).
 template <QType T>
 inline void scales512(const uint8_t* header, int sub, __m512& s, __m512& c) {
-  auto fp16 = [&](int64_t at) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + at)));
-  };
-  auto bytes = [&](int64_t at) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + at));
-    return _mm512_cvtepi32_ps(T == QType::Q6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-  };
+  auto fp16 = [&](int64_t at) { return Lanes16::fp16(header + at); };
+  auto bytes = [&](int64_t at) { return Lanes16::bytes<T == QType::Q6_K>(header + at); };
   if constexpr (T == QType::Q4_0) {
     s = fp16(0);
     c = _mm512_mul_ps(s, _mm512_set1_ps(-136.f));
@@ -572,32 +610,29 @@ inline __m256i quants256(const uint8_t* unit, int u, int s, int half) {
   }
 }
 
+// A group's outputs 8 half .. 8 half + 7 of a header field: fp16 values (16 of the field's
+// 32 bytes) or bytes (8 of 16) at p, as fp32.
+struct Lanes8 {
+  using Vec = __m256;
+  int half;
+  Vec fp16(const uint8_t* p) const {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half)));
+  }
+  template <bool kSigned>
+  Vec bytes(const uint8_t* p) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
+    return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+  static Vec set1(float v) { return _mm256_set1_ps(v); }
+  static Vec zero() { return _mm256_setzero_ps(); }
+};
+
 // A scale unit's s and c2 (w = s q + c2) for outputs 8 half .. 8 half + 7 of a group.
 template <QType T>
 inline void scales256(const uint8_t* header, int sub, int half, __m256& s, __m256& c2) {
-  auto fp16 = [&](int64_t at) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + at + 16 * half)));
-  };
-  auto bytes = [&](int64_t at) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(header + at + 8 * half));
-    return _mm256_cvtepi32_ps(T == QType::Q6_K ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-  };
-  if constexpr (T == QType::Q4_0) {
-    s = fp16(0);
-    c2 = _mm256_mul_ps(s, _mm256_set1_ps(-8.f));
-  } else if constexpr (T == QType::Q4_1) {
-    s = fp16(0);
-    c2 = fp16(32);
-  } else if constexpr (T == QType::Q8_0) {
-    s = fp16(0);
-    c2 = _mm256_setzero_ps();
-  } else if constexpr (T == QType::Q6_K) {
-    s = _mm256_mul_ps(fp16(0), bytes(32 + 16 * sub));
-    c2 = _mm256_mul_ps(s, _mm256_set1_ps(-32.f));
-  } else {
-    s = _mm256_mul_ps(fp16(0), bytes(64 + 16 * sub));
-    c2 = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(fp16(32), bytes(192 + 16 * sub)));
-  }
+  avx2_scales<T>(Lanes8{half}, header, sub, s, c2);
 }
 
 // A scale unit of x whose largest |x| is top that rounds to nothing: all zeros, or holding
@@ -877,33 +912,11 @@ inline __m512i quants512(const uint8_t* unit, int u, int s) {
 }
 
 // A group's s and c2 for a scale unit, 16 outputs: scales256's two halves, to the bit (the
-// same conversions and fp32 operations on each output, 16 at a time: a third of the
-// instructions of running scales256 twice, which a one-row call spends per unit and group).
+// same formula on 16 outputs at once: a third of the instructions of running scales256
+// twice, which a one-row call spends per unit and group).
 template <QType T>
 inline void scales_avx2_512(const uint8_t* header, int sub, __m512& s, __m512& c2) {
-  auto fp16 = [&](int64_t at) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header + at)));
-  };
-  auto bytes = [&](int64_t at) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(header + at));
-    return _mm512_cvtepi32_ps(T == QType::Q6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-  };
-  if constexpr (T == QType::Q4_0) {
-    s = fp16(0);
-    c2 = _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
-  } else if constexpr (T == QType::Q4_1) {
-    s = fp16(0);
-    c2 = fp16(32);
-  } else if constexpr (T == QType::Q8_0) {
-    s = fp16(0);
-    c2 = _mm512_setzero_ps();
-  } else if constexpr (T == QType::Q6_K) {
-    s = _mm512_mul_ps(fp16(0), bytes(32 + 16 * sub));
-    c2 = _mm512_mul_ps(s, _mm512_set1_ps(-32.f));
-  } else {
-    s = _mm512_mul_ps(fp16(0), bytes(64 + 16 * sub));
-    c2 = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(fp16(32), bytes(192 + 16 * sub)));
-  }
+  avx2_scales<T>(Lanes16{}, header, sub, s, c2);
 }
 
 // add_unit256 on 16 outputs: the same fp32 operations in the same order, so that every
