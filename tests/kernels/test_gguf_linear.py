@@ -151,12 +151,13 @@ def test_the_avx2_path_agrees_with_the_avx512_path(ext, qtype):
 
 
 @pytest.mark.skipif(not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")
-@pytest.mark.parametrize("qtype", TYPES)
-def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_and_the_default(ext, qtype):
-    """AMX tiles from kAmxMinRows (11) rows, AVX512-VNNI below (one row alone, else tiles of up
-    to 5 rows, 6-10 rows as two): all the AVX2 path's integer sums and epilogue, so every row
-    count equals AVX2 bit for bit (and so a row alone equals it in any batch); where the CPU
-    has AMX it is what runs unasked."""
+def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_for_q8_0_and_the_default(ext):
+    """Q8_0 on AMX: integer tiles from kAmxMinRows (11) rows, AVX512-VNNI below (one row
+    alone, else tiles of up to 5 rows, 6-10 rows as two): all the AVX2 path's integer sums
+    and epilogue, so every row count equals AVX2 bit for bit (and so a row alone equals it in
+    any batch); where the CPU has AMX it is what runs unasked. (The other types take bf16
+    tiles: test_the_bf16_tiles_keep_special_values_to_their_rows.)"""
+    qtype = Q.Q8_0
     assert ops.gguf_linear_isa() == "amx"
     n, k = 80, 2 * block_of(qtype)
     raw = random_gguf(qtype, n, k, seed=6)
@@ -181,6 +182,38 @@ def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_and_the_default(ext, qt
             torch.testing.assert_close(tiles, avx2, rtol=0, atol=0, equal_nan=True, msg=str(rows))
         nan_rows = tiles.isnan().all(1)                 # the row holding the inf, only
         assert nan_rows[rows // 2] and int(nan_rows.sum()) == 1 and not tiles[~nan_rows].isnan().any()
+
+
+@pytest.mark.skipif(not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t.values[0] != Q.Q8_0])
+def test_the_bf16_tiles_keep_special_values_to_their_rows(ext, qtype):
+    """The types on AMX-BF16 tiles (every one but Q8_0), at the row counts of the one-row
+    tiles, a partial tile, whole tiles and a padded last tile: scale units of x scaled apart
+    (zeros, bf16 denormals, which the tiles read as zeros, 2^100) stay within the float64
+    bound of the other paths, a row alone equals it in the batch, and an inf makes its own
+    row's outputs not finite and no other row's."""
+    assert ops.gguf_linear_isa() == "amx"
+    n, k = 80, 2 * block_of(qtype)
+    raw = random_gguf(qtype, n, k, seed=7)
+    packed, w = pack_gguf(qtype, raw, n, k), dequantized(qtype, raw, n, k)
+    unit_scales = torch.tensor([0.0, 2.0**-133, 2.0**-126, 1.0, 2.0**-20, 2.0**100])
+    for rows in (1, 2, 5, 16, 17, 40):
+        units = torch.randint(len(unit_scales), (rows, k // 16), generator=torch.Generator().manual_seed(rows))
+        x = (torch.randn(rows, k) * unit_scales[units].repeat_interleave(16, 1)).bfloat16()
+        y = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
+        # the product of x with its denormals as zeros, give or take sums below 2^-126
+        # (flushed to zero by the tiles: at most that times |s| < 1 a unit)
+        normal = torch.where(x.float().abs() >= 2.0**-126, x.double(), 0.0)
+        ref = normal @ w.double().T
+        bound = (normal.abs() @ w.double().abs().T) * 2**-12 + k / 16 * 2.0**-126
+        assert ((y.double() - ref).abs() <= bound).all(), rows
+        alone = torch.cat([ops.gguf_linear(x[i:i + 1], packed, int(qtype), n, fp32_out=True)
+                           for i in range(rows)])
+        assert torch.equal(alone, y), rows
+        x[rows // 2, 3] = float("inf")
+        y = ops.gguf_linear(x, packed, int(qtype), n, fp32_out=True)
+        finite = y.isfinite().all(1)
+        assert not finite[rows // 2] and int((~finite).sum()) == 1, rows
 
 
 @pytest.mark.skipif(cpu_has_amx_int8(), reason="this CPU has AMX-INT8")

@@ -56,9 +56,14 @@
 // tiles of 1 row by a whole panel (up to 3 rows) or 1-4 rows by 1 group; a panel's one-row
 // tiles and a chunk's first many-row tile prefetch as the AVX-512 one-row tiles.
 //
+// On CPUs with AMX every type but Q8_0 runs on AMX-BF16 tiles at every row count (q' and x
+// as the AVX-512 path has them, one tile product per scale unit; see its section), and Q8_0
+// on integer tiles with the AVX2 path's sums (from 11 rows; fewer on AVX512-VNNI).
+//
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
-// sums in another order (its results differ from the AVX-512 path's in the last bits).
+// sums in another order (its results differ from the AVX-512 path's in the last bits), and
+// so do the bf16 tiles.
 #include "amx.h"
 #include "ops.h"
 
@@ -445,15 +450,25 @@ void tile512(const at::BFloat16* x, int64_t ldx, const float* xs, int64_t ldxs,
     for (int g = 0; g < NG; ++g) _mm512_storeu_ps(out + m * NG * kGroup + g * kGroup, acc[m][g]);
 }
 
-// Each row's sum over each scale unit of `width` inputs, times `factor`.
+// x's 16 values at p as fp32, denormals as zeros: as VDPBF16PS and TDPBF16PS read them, so
+// that a scale unit's c sum(x) is over the inputs its dot products saw.
+inline __m512 load16_daz(const at::BFloat16* p) {
+  const __m512 v = pagedllm::load16(p);
+  return _mm512_maskz_mov_ps(
+      _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(std::numeric_limits<float>::min()),
+                         _CMP_NLT_UQ),
+      v);
+}
+
+// Each row's sum over each scale unit of `width` inputs (denormals as zeros), times `factor`.
 void unit_sums512(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t width,
                   float factor, float* sums) {
   const int64_t per_row = K / width;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < per_row; ++j) {
       const at::BFloat16* p = x + m * ldx + j * width;
-      __m512 v = pagedllm::load16(p);
-      if (width == 32) v = _mm512_add_ps(v, pagedllm::load16(p + 16));
+      __m512 v = load16_daz(p);
+      if (width == 32) v = _mm512_add_ps(v, load16_daz(p + 16));
       sums[m * per_row + j] = _mm512_reduce_add_ps(v) * factor;
     }
 }
@@ -868,8 +883,9 @@ void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
 }
 #endif  // GGUF_AVX2
 
-// ---- AMX (AMX-INT8) --------------------------------------------------------------------
-// On CPUs with AMX the AVX2 path's integer sums run on tiles, to the same int32, so that the
+// ---- AMX (AMX-INT8), Q8_0 -----------------------------------------------------------------
+// On CPUs with AMX, Q8_0 runs the AVX2 path's integer sums on tiles (the other types take
+// the AMX-BF16 tiles below, kBf16Tiles), to the same int32, so that the
 // results are the AVX2 path's bit for bit: a row alone (the AVX2 path's one-row tiles) and
 // the same row in a batch (tiles) agree, and the process takes AMX by default. x is the
 // AVX2 path's 16-bit integers per scale unit, split into two byte planes xq = 256 xh + xl
@@ -1200,11 +1216,245 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
     _tile_release();
   });
 }
+
+// ---- AMX-BF16 tiles (every type but Q8_0) ------------------------------------------------
+// The other way to run the tiles: q' as it is the AVX-512 path's (128 + q, exact in bf16)
+// against x as it is (bf16, not rounded to integers): one TDPBF16PS per scale unit, group
+// and 16 rows (a whole 64-byte tile row of K, where the integer tiles take two half-width
+// products, one per byte plane of x), each unit's fp32 sums then scaled as the AVX-512 path
+// scales them (sum s + sum(x) c, two multiply-adds where the integer epilogue takes six
+// operations). A unit's weight tile is decode512's 16 vectors as they come (pair p of the
+// unit is tile row p: 16 outputs' pairs side by side, the layout TDPBF16PS reads). Every
+// output's sum is a sequence of tile products fixed by its scale units, so a row alone, in
+// any batch and on any thread gets the same bits; but the tile product's own rounding is
+// not a sequence of fp32 multiply-adds (three orders tried, none equal), so one row runs
+// on the tiles too (row_bf16_tiles: a 1-row tile, a panel at a time), not on the dot
+// products. Measured on the Xeon against the integer tiles and VNNI (docs/quantization.md):
+// 16-256 rows in 0.56-0.73x the time (Q6_K 0.59-0.67x), one row 1.6-2x (3.4x for Q8_0,
+// whose bytes take five operations to become bf16), which from memory costs single-stream
+// decode 4% on a Q4_K_M file (Q8_0's 38%: so Q8_0 keeps the integer sums), and gives
+// its W1 1.31x and its time to first token 1.4x.
+template <QType T>
+constexpr bool kBf16Tiles = T != QType::Q8_0;
+
+// A unit's q' for NG groups of the units at `units`, pair p of group g at q[g][p].
+template <QType T>
+inline void bf16_unit_tiles(const uint8_t* units, int64_t NG, __m512bh (*q)[16]) {
+  for (int64_t g = 0; g < NG; ++g)
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) q[g][4 * u + s] = decode512<T>(units + g * Format<T>::kUnit, u, s);
+}
+
+// Many rows (2 and up): work items of a chunk of rows by a whole panel, taken by each thread
+// as it is free. Per unit the panel's q' is decoded one unit ahead of its products (a tile
+// load of vectors just stored waits for them to reach the cache) into one of two buffers;
+// tiles: 0 x (16 rows of the unit's inputs, read in place), 1-4 the groups' q', 5-7 sums.
+template <QType T, typename Out>
+void run_bf16_tiles(const at::Tensor& x_in, const uint8_t* packed, int64_t n, Out* y, int64_t ldy) {
+  using F = Format<T>;
+  constexpr int kSubs = F::kSubs;
+  constexpr int64_t width = kUnitInputs / kSubs;  // a scale unit's inputs
+  constexpr uint8_t kRowsB = width / 2;           // its pairs: a weight tile's rows
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  // beyond one tile of rows, whole tiles (the rest zeros: tiles read 16 rows)
+  const at::Tensor x = M > 16 && M % 16 != 0
+      ? at::constant_pad_nd(x_in, {0, 0, 0, 16 - M % 16}, 0) : x_in;
+  const int64_t ldx = x.stride(0), Mp = x.size(0);
+  const Shape sh = shape_of<T>(n, K);
+  const int64_t per_row = K / width;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  // each scale unit's sums of x, unit after unit, the rows side by side
+  std::vector<float> unit_rows;
+  if constexpr (F::kOffset) {
+    std::vector<float> sums(M * per_row);
+    unit_sums512(xp, ldx, M, K, width, 1.f, sums.data());
+    unit_rows.resize(per_row * Mp);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t u = 0; u < per_row; ++u) unit_rows[u * Mp + m] = sums[m * per_row + u];
+  }
+  const WorkItems items{sh, M, n, kAmxChunkRows, true};
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const uint8_t tr = static_cast<uint8_t>(std::min<int64_t>(M, 16));
+    pagedllm::configure_tiles({tr, kRowsB, kRowsB, kRowsB, kRowsB, tr, tr, tr},
+                              {width * 2, 64, 64, 64, 64, 64, 64, 64});
+    alignas(64) __m512bh q[2][kPanelGroups][16];
+    alignas(64) float c_tiles[3][16 * kGroup];
+    static thread_local std::vector<float> acc_buffer;
+    acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
+    float* acc = acc_buffer.data();
+    for (int64_t it; (it = next_item.fetch_add(1, std::memory_order_relaxed)) < items.count();) {
+      const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[it];
+      const int64_t ld_acc = NG * kGroup;
+      const uint8_t* w = packed + panel * sh.panel_bytes;
+      const int64_t ahead = prefetch_distance<T>(G);
+      const int64_t units = sh.blocks * kUnits<T>;
+      auto decode = [&](int64_t j) {  // unit j of the panel into q[j % 2]
+        const uint8_t* blk = w + j / kUnits<T> * G * kGroupBlock<T>;
+        const int i = j % kUnits<T>;
+        for (int u = 0; u < 4; ++u)
+          prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+        bf16_unit_tiles<T>(blk + G * F::kHeader + i * G * F::kUnit, NG, q[j % 2]);
+      };
+      std::fill(acc, acc + rows * ld_acc, 0.f);
+      decode(0);
+      for (int64_t j = 0; j < units; ++j) {
+        if (j + 1 < units) decode(j + 1);
+        const int64_t b = j / kUnits<T>;
+        const int i = j % kUnits<T>;
+        const uint8_t* blk = w + b * G * kGroupBlock<T>;
+#pragma GCC unroll 2
+        for (int h = 0; h < kSubs; ++h) {
+          const int sub = i * kSubs + h;
+          const int64_t su = b * kUnits<T> * kSubs + sub;
+          __m512 s[kPanelGroups], c[kPanelGroups];
+          for (int64_t g = 0; g < NG; ++g) scales512<T>(blk + g * F::kHeader, sub, s[g], c[g]);
+          _tile_loadd(1, &q[j % 2][0][h * kRowsB], 64);
+          _tile_loadd(2, &q[j % 2][1][h * kRowsB], 64);
+          if (NG == 4) {
+            _tile_loadd(3, &q[j % 2][2][h * kRowsB], 64);
+            _tile_loadd(4, &q[j % 2][3][h * kRowsB], 64);
+          }
+          for (int64_t m = 0; m < rows; m += 16) {
+            _tile_loadd(0, xp + (m0 + m) * ldx + b * F::kBlock + i * kUnitInputs + h * width, ldx * 2);
+            const int64_t r = std::min<int64_t>(16, rows - m);
+            const float* xsum = F::kOffset ? unit_rows.data() + su * Mp + m0 + m : nullptr;
+            // group g's sums (at ct) scaled into acc
+            auto finish = [&](const float* ct, int64_t g) {
+              float* a = acc + m * ld_acc + g * kGroup;
+              for (int64_t row = 0; row < r; ++row, a += ld_acc) {
+                __m512 v = _mm512_fmadd_ps(_mm512_load_ps(ct + row * kGroup), s[g], _mm512_loadu_ps(a));
+                if constexpr (F::kOffset) v = _mm512_fmadd_ps(_mm512_set1_ps(xsum[row]), c[g], v);
+                _mm512_storeu_ps(a, v);
+              }
+            };
+            // each group's products on a sums tile while an earlier group's are scaled
+            _tile_zero(5);
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_zero(6);
+            _tile_dpbf16ps(6, 0, 2);
+            _tile_stored(5, c_tiles[0], 64);
+            if (NG == 4) {
+              _tile_zero(7);
+              _tile_dpbf16ps(7, 0, 3);
+            }
+            finish(c_tiles[0], 0);
+            _tile_stored(6, c_tiles[1], 64);
+            if (NG == 4) {
+              _tile_zero(5);
+              _tile_dpbf16ps(5, 0, 4);
+            }
+            finish(c_tiles[1], 1);
+            if (NG == 4) {
+              _tile_stored(7, c_tiles[2], 64);
+              finish(c_tiles[2], 2);
+              _tile_stored(5, c_tiles[0], 64);
+              finish(c_tiles[0], 3);
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < rows; ++j) store_row(y + (m0 + j) * ldy + col0, acc + j * ld_acc, cols);
+    }
+    _tile_release();
+  });
+}
+
+// One row: run_bf16_tiles's products and sums on 1-row tiles, the threads splitting the
+// panels, each panel's sums in registers; each unit's q' decoded one unit ahead of its
+// products and its sums scaled one unit behind (read once the tile stores have landed).
+template <QType T, typename Out>
+void row_bf16_tiles(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y) {
+  using F = Format<T>;
+  constexpr int kSubs = F::kSubs;
+  constexpr int64_t width = kUnitInputs / kSubs;
+  constexpr uint8_t kRowsB = width / 2;
+  const int64_t K = x.size(1);
+  const Shape sh = shape_of<T>(n, K);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  std::vector<float> sums(K / width);
+  if constexpr (F::kOffset) unit_sums512(xp, K, 1, K, width, 1.f, sums.data());
+  at::parallel_for(0, sh.panels, 1, [&](int64_t begin, int64_t end) {
+    pagedllm::configure_tiles({1, kRowsB, kRowsB, kRowsB, kRowsB, 1, 1, 1},
+                              {width * 2, 64, 64, 64, 64, 64, 64, 64});
+    alignas(64) __m512bh q[2][kPanelGroups][16];
+    alignas(64) float c_rows[2][kSubs][kPanelGroups][kGroup];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t G = sh.groups_in(panel);
+      const uint8_t* w = packed + panel * sh.panel_bytes;
+      const int64_t ahead = prefetch_distance<T>(G);
+      const int64_t units = sh.blocks * kUnits<T>;
+      __m512 acc[kPanelGroups];
+      for (int g = 0; g < kPanelGroups; ++g) acc[g] = _mm512_setzero_ps();
+      auto decode = [&](int64_t j) {
+        const uint8_t* blk = w + j / kUnits<T> * G * kGroupBlock<T>;
+        const int i = j % kUnits<T>;
+        for (int u = 0; u < 4; ++u)
+          prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+        bf16_unit_tiles<T>(blk + G * F::kHeader + i * G * F::kUnit, G, q[j % 2]);
+      };
+      auto finish = [&](int64_t j) {  // unit j's sums (c_rows[j % 2]) scaled into acc
+        const int64_t b = j / kUnits<T>;
+        const int i = j % kUnits<T>;
+        const uint8_t* blk = w + b * G * kGroupBlock<T>;
+#pragma GCC unroll 2
+        for (int h = 0; h < kSubs; ++h) {
+          const int sub = i * kSubs + h;
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 s, c;
+            scales512<T>(blk + g * F::kHeader, sub, s, c);
+            acc[g] = _mm512_fmadd_ps(_mm512_load_ps(c_rows[j % 2][h][g]), s, acc[g]);
+            if constexpr (F::kOffset)
+              acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(sums[b * kUnits<T> * kSubs + sub]), c, acc[g]);
+          }
+        }
+      };
+      decode(0);
+      for (int64_t j = 0; j < units; ++j) {
+        if (j + 1 < units) decode(j + 1);
+        const int64_t b = j / kUnits<T>;
+        const int i = j % kUnits<T>;
+#pragma GCC unroll 2
+        for (int h = 0; h < kSubs; ++h) {
+          _tile_loadd(0, xp + b * F::kBlock + i * kUnitInputs + h * width, 64);
+          _tile_loadd(1, &q[j % 2][0][h * kRowsB], 64);
+          _tile_loadd(2, &q[j % 2][1][h * kRowsB], 64);
+          _tile_zero(5);
+          _tile_dpbf16ps(5, 0, 1);
+          _tile_zero(6);
+          _tile_dpbf16ps(6, 0, 2);
+          _tile_stored(5, c_rows[j % 2][h][0], 64);
+          _tile_stored(6, c_rows[j % 2][h][1], 64);
+          if (G == 4) {
+            _tile_loadd(3, &q[j % 2][2][h * kRowsB], 64);
+            _tile_loadd(4, &q[j % 2][3][h * kRowsB], 64);
+            _tile_zero(7);
+            _tile_dpbf16ps(7, 0, 3);
+            _tile_zero(5);
+            _tile_dpbf16ps(5, 0, 4);
+            _tile_stored(7, c_rows[j % 2][h][2], 64);
+            _tile_stored(5, c_rows[j % 2][h][3], 64);
+          }
+        }
+        if (j > 0) finish(j - 1);
+      }
+      finish(units - 1);
+      alignas(64) float out[kPanelGroups * kGroup];
+      for (int64_t g = 0; g < G; ++g) _mm512_store_ps(out + g * kGroup, acc[g]);
+      const int64_t col0 = panel * kPanelGroups * kGroup;
+      store_row(y + col0, out, std::min(G * kGroup, n - col0));
+    }
+    _tile_release();
+  });
+}
 #endif  // GGUF_AMX
 
-// Which path gguf_linear takes: AMX tiles where the CPU has them (from kAmxMinRows rows;
-// fewer, the AVX2 path, whose sums they are), else the dot products (AVX-512, else AVX2);
-// tests may ask for a path the CPU also has.
+// Which path gguf_linear takes: AMX tiles where the CPU has them (bf16 tiles at every row
+// count; Q8_0 integer tiles from kAmxMinRows rows and, fewer, the AVX2 path's sums on
+// AVX512-VNNI), else the dot products (AVX-512, else AVX2); tests may ask for a path the
+// CPU also has.
 enum class Isa { kNone, kAvx2, kAvx512, kAmx };
 std::atomic<Isa> forced_isa{Isa::kNone};
 
@@ -1231,6 +1481,10 @@ void run(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int64_t 
   bool vnni = false;  // the AVX2 path's one-row tiles on AVX512-VNNI
 #if defined(GGUF_AMX)
   if (isa == Isa::kAmx) {
+    if constexpr (kBf16Tiles<T>) {
+      if (x.size(0) == 1) return row_bf16_tiles<T>(x, packed, n, y);
+      return run_bf16_tiles<T>(x, packed, n, y, ldy);
+    }
     if (x.size(0) >= kAmxMinRows) return run_amx<T>(x, packed, n, y, ldy);
     isa = Isa::kAvx2;
     vnni = true;
