@@ -150,14 +150,17 @@ def test_the_avx2_path_agrees_with_the_avx512_path(ext, qtype):
     assert ((avx2.double() - avx512.double()).abs() <= bound).all()
 
 
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # on AMX CPUs: AMX-BF16 tiles
+
+
 @pytest.mark.skipif(not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")
-def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_for_q8_0_and_the_default(ext):
-    """Q8_0 on AMX: integer tiles from kAmxMinRows (11) rows, AVX512-VNNI below (one row
-    alone, else tiles of up to 5 rows, 6-10 rows as two): all the AVX2 path's integer sums
-    and epilogue, so every row count equals AVX2 bit for bit (and so a row alone equals it in
-    any batch); where the CPU has AMX it is what runs unasked. (The other types take bf16
-    tiles: test_the_bf16_tiles_keep_special_values_to_their_rows.)"""
-    qtype = Q.Q8_0
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t.values[0] not in K_QUANTS])
+def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_and_the_default(ext, qtype):
+    """Q4_0, Q4_1 and Q8_0 on AMX: integer tiles from kAmxMinRows (11) rows, AVX512-VNNI
+    below (one row alone, else tiles of up to 5 rows, 6-10 rows as two): all the AVX2 path's
+    integer sums and epilogue, so every row count equals AVX2 bit for bit (and so a row
+    alone equals it in any batch); where the CPU has AMX it is what runs unasked. (The
+    K-quants take bf16 tiles: test_the_bf16_tiles_keep_special_values_to_their_rows.)"""
     assert ops.gguf_linear_isa() == "amx"
     n, k = 80, 2 * block_of(qtype)
     raw = random_gguf(qtype, n, k, seed=6)
@@ -185,9 +188,9 @@ def test_the_amx_path_is_the_avx2_paths_sums_bit_for_bit_for_q8_0_and_the_defaul
 
 
 @pytest.mark.skipif(not cpu_has_amx_int8(), reason="this CPU has no AMX-INT8")
-@pytest.mark.parametrize("qtype", [t for t in TYPES if t.values[0] != Q.Q8_0])
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t.values[0] in K_QUANTS])
 def test_the_bf16_tiles_keep_special_values_to_their_rows(ext, qtype):
-    """The types on AMX-BF16 tiles (every one but Q8_0), at the row counts of the one-row
+    """The types on AMX-BF16 tiles (the K-quants), at the row counts of the one-row
     tiles, a partial tile, whole tiles and a padded last tile: scale units of x scaled apart
     (zeros, bf16 denormals, which the tiles read as zeros, 2^100) stay within the float64
     bound of the other paths, a row alone equals it in the batch, and an inf makes its own

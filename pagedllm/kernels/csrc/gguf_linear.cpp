@@ -56,9 +56,9 @@
 // tiles of 1 row by a whole panel (up to 3 rows) or 1-4 rows by 1 group; a panel's one-row
 // tiles and a chunk's first many-row tile prefetch as the AVX-512 one-row tiles.
 //
-// On CPUs with AMX every type but Q8_0 runs on AMX-BF16 tiles at every row count (q' and x
-// as the AVX-512 path has them, one tile product per scale unit; see its section), and Q8_0
-// on integer tiles with the AVX2 path's sums (from 11 rows; fewer on AVX512-VNNI).
+// On CPUs with AMX the K-quants run on AMX-BF16 tiles at every row count (q' and x as the
+// AVX-512 path has them, one tile product per scale unit; see its section), and Q4_0, Q4_1
+// and Q8_0 on integer tiles with the AVX2 path's sums (from 11 rows; fewer on AVX512-VNNI).
 //
 // Every output is the same sum in the same order whichever rows share the call and however
 // the threads split the work: a row's result does not depend on its batch. The AVX2 path
@@ -883,9 +883,9 @@ void rows256(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum,
 }
 #endif  // GGUF_AVX2
 
-// ---- AMX (AMX-INT8), Q8_0 -----------------------------------------------------------------
-// On CPUs with AMX, Q8_0 runs the AVX2 path's integer sums on tiles (the other types take
-// the AMX-BF16 tiles below, kBf16Tiles), to the same int32, so that the
+// ---- AMX (AMX-INT8): Q4_0, Q4_1, Q8_0 -----------------------------------------------------
+// On CPUs with AMX, Q4_0, Q4_1 and Q8_0 run the AVX2 path's integer sums on tiles (the
+// K-quants take the AMX-BF16 tiles below, kBf16Tiles), to the same int32, so that the
 // results are the AVX2 path's bit for bit: a row alone (the AVX2 path's one-row tiles) and
 // the same row in a batch (tiles) agree, and the process takes AMX by default. x is the
 // AVX2 path's 16-bit integers per scale unit, split into two byte planes xq = 256 xh + xl
@@ -1217,7 +1217,7 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
   });
 }
 
-// ---- AMX-BF16 tiles (every type but Q8_0) ------------------------------------------------
+// ---- AMX-BF16 tiles (the K-quants) -------------------------------------------------------
 // The other way to run the tiles: q' as it is the AVX-512 path's (128 + q, exact in bf16)
 // against x as it is (bf16, not rounded to integers): one TDPBF16PS per scale unit, group
 // and 16 rows (a whole 64-byte tile row of K, where the integer tiles take two half-width
@@ -1230,12 +1230,15 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
 // not a sequence of fp32 multiply-adds (three orders tried, none equal), so one row runs
 // on the tiles too (row_bf16_tiles: a 1-row tile, a panel at a time), not on the dot
 // products. Measured on the Xeon against the integer tiles and VNNI (docs/quantization.md):
-// 16-256 rows in 0.56-0.73x the time (Q6_K 0.59-0.67x), one row 1.6-2x (3.4x for Q8_0,
-// whose bytes take five operations to become bf16), which from memory costs single-stream
-// decode 4% on a Q4_K_M file (Q8_0's 38%: so Q8_0 keeps the integer sums), and gives
-// its W1 1.31x and its time to first token 1.4x.
+// 16-256 rows in 0.56-0.73x the time (Q6_K 0.59-0.67x), one row 1.6-2x (Q8_0 3.4x), which
+// costs single-stream decode 0-6% on a Q4_K_M file (the bytes from memory hide most of it)
+// and gives its W1 1.31x and its time to first token 1.4x;
+// but a model whose weights stay in the cache is bound by that one-row work, not by memory
+// (the bundled Q4_1 SmolLM2 decoded at 0.79x, the Q8_0 Qwen3 at 0.62x: Q8_0's bytes take
+// five operations to become bf16). So the K-quants, the types of the files users bring at
+// real sizes, take the bf16 tiles; Q4_0, Q4_1 and Q8_0 keep the integer sums.
 template <QType T>
-constexpr bool kBf16Tiles = T != QType::Q8_0;
+constexpr bool kBf16Tiles = T == QType::Q4_K || T == QType::Q5_K || T == QType::Q6_K;
 
 // A unit's q' for NG groups of the units at `units`, pair p of group g at q[g][p].
 template <QType T>
@@ -1451,10 +1454,10 @@ void row_bf16_tiles(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* 
 }
 #endif  // GGUF_AMX
 
-// Which path gguf_linear takes: AMX tiles where the CPU has them (bf16 tiles at every row
-// count; Q8_0 integer tiles from kAmxMinRows rows and, fewer, the AVX2 path's sums on
-// AVX512-VNNI), else the dot products (AVX-512, else AVX2); tests may ask for a path the
-// CPU also has.
+// Which path gguf_linear takes: AMX tiles where the CPU has them (the K-quants bf16 tiles at
+// every row count; the others integer tiles from kAmxMinRows rows and, fewer, the AVX2
+// path's sums on AVX512-VNNI), else the dot products (AVX-512, else AVX2); tests may ask
+// for a path the CPU also has.
 enum class Isa { kNone, kAvx2, kAvx512, kAmx };
 std::atomic<Isa> forced_isa{Isa::kNone};
 
