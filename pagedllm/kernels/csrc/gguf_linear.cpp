@@ -1226,17 +1226,18 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
 // operations). A unit's weight tile is decode512's 16 vectors as they come (pair p of the
 // unit is tile row p: 16 outputs' pairs side by side, the layout TDPBF16PS reads). Every
 // output's sum is a sequence of tile products fixed by its scale units, so a row alone, in
-// any batch and on any thread gets the same bits; but the tile product's own rounding is
-// not a sequence of fp32 multiply-adds (three orders tried, none equal), so one row runs
-// on the tiles too (row_bf16_tiles: a 1-row tile, a panel at a time), not on the dot
-// products. Measured on the Xeon against the integer tiles and VNNI (docs/quantization.md):
-// 16-256 rows in 0.56-0.73x the time (Q6_K 0.59-0.67x), one row 1.6-2x (Q8_0 3.4x), which
-// costs single-stream decode 0-6% on a Q4_K_M file (the bytes from memory hide most of it)
-// and gives its W1 1.31x and its time to first token 1.4x;
-// but a model whose weights stay in the cache is bound by that one-row work, not by memory
-// (the bundled Q4_1 SmolLM2 decoded at 0.79x, the Q8_0 Qwen3 at 0.62x: Q8_0's bytes take
-// five operations to become bf16). So the K-quants, the types of the files users bring at
-// real sizes, take the bf16 tiles; Q4_0, Q4_1 and Q8_0 keep the integer sums.
+// any batch and on any thread gets the same bits. One row runs on the tiles too
+// (row_bf16_tiles: 1-row tiles, a panel at a time): a product's sums are c + (E + O), two
+// fp32 chains over the even and the odd pairs, which FMAs could give bit for bit, but at 6
+// vector operations per 32 weights against VNNI's 3 they ran a row no faster than the
+// tiles (docs/quantization.md, 2026-11-29). Measured on the Xeon against the integer
+// tiles and VNNI (2026-11-30): 16-256 rows in 0.56-0.73x the time (Q6_K 0.59-0.67x), one
+// row 1.6-2x (Q8_0 3.4x), which costs single-stream decode 0-6% on a Q4_K_M file (the
+// bytes from memory hide most of it) and gives its W1 1.31x and its time to first token
+// 1.4x; but a model whose weights stay in the cache is bound by that one-row work (the
+// bundled Q4_1 SmolLM2 decoded at 0.79x, the Q8_0 Qwen3 at 0.62x: Q8_0's bytes take five
+// operations to become bf16). So the K-quants, the types of the files users bring at real
+// sizes, take the bf16 tiles; Q4_0, Q4_1 and Q8_0 keep the integer sums.
 template <QType T>
 constexpr bool kBf16Tiles = T == QType::Q4_K || T == QType::Q5_K || T == QType::Q6_K;
 
