@@ -245,18 +245,25 @@ class EngineConfig:
     # ---- CLI ----------------------------------------------------------------------------
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     defaults: dict[str, Any] | None = None) -> None:
+        """A flag per field; `defaults` overrides some fields' defaults (and their help)."""
+        defaults = defaults or {}
+        unknown = set(defaults) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"defaults for fields EngineConfig does not have: {sorted(unknown)}")
         for f in dataclasses.fields(cls):
             if not f.metadata.get("cli", True):
                 continue
             flag = "--" + f.name.replace("_", "-")
-            help = f"{f.metadata['help']} (default: {f.default})"
+            default = defaults.get(f.name, f.default)
+            help = f"{f.metadata['help']} (default: {default})"
             if f.type in ("bool", "bool | None", bool):
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                    default=f.default, help=help)
+                                    default=default, help=help)
                 continue
             ftype = {"int": int, "int | None": int, "float": float, "str": str}.get(f.type, str)
-            parser.add_argument(flag, dest=f.name, type=ftype, default=f.default, help=help,
+            parser.add_argument(flag, dest=f.name, type=ftype, default=default, help=help,
                                 choices=f.metadata.get("choices"))
 
     @classmethod

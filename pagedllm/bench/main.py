@@ -104,11 +104,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The bench's own flags plus every engine flag (EngineConfig); the bench's win on clashes."""
     p.add_argument("--model", default=None,
                    help="GGUF file or HF directory (default: bundled SmolLM2-135M-Instruct)")
-    EngineConfig.add_cli_args(p.add_argument_group("engine (pagedllm)"))
     # Timed runs measure an engine whose KV memory is committed, as llama-server's and HF's
     # are once started: the page faults of a fresh CPU cache cost W1 ~6% on a Qwen3-0.6B file
     # (--no-kv-cache-populate measures them)
-    p.set_defaults(kv_cache_populate=True)
+    EngineConfig.add_cli_args(p.add_argument_group("engine (pagedllm)"),
+                              defaults={"kv_cache_populate": True})
     p.add_argument("workload", choices=WORKLOADS,
                    help="throughput (W1), latency (W2), prefix (W3), serve (HTTP), spec "
                         "(speculative decoding: chat tasks that repeat their input, then W1 "

@@ -123,3 +123,25 @@ def test_llamacpp_without_a_server_binary_is_a_clear_error(tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2
     assert "--llama-server" in r.stderr
+
+
+def test_the_bench_commits_the_kv_cache_by_default_and_says_so():
+    """The bench's own default for --kv-cache-populate (True) is the one parsed and the one
+    its help states; the engine's (False) stays everywhere else."""
+    import argparse
+
+    from pagedllm.bench.main import add_bench_args
+    from pagedllm.config import EngineConfig
+
+    bench = argparse.ArgumentParser(conflict_handler="resolve")  # as `pagedllm bench`'s
+    add_bench_args(bench)
+    assert bench.parse_args(["throughput"]).kv_cache_populate is True
+    assert bench.parse_args(["throughput", "--no-kv-cache-populate"]).kv_cache_populate is False
+    engine = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(engine)
+    assert engine.parse_args([]).kv_cache_populate is False
+    for parser, default in ((bench, True), (engine, False)):
+        action = next(a for a in parser._actions if a.dest == "kv_cache_populate")
+        assert action.help.endswith(f"(default: {default})")
+    with pytest.raises(ValueError, match="kv_cache_populat"):
+        EngineConfig.add_cli_args(argparse.ArgumentParser(), defaults={"kv_cache_populat": True})
