@@ -916,6 +916,32 @@ constexpr int64_t kAmxChunkRows = 128;  // rows per work item
 // 0.63-0.99x, 10 rows 0.84-1.10x (five of seven faster), 11 and 12 0.65-1.53x.
 constexpr int64_t kAmxMinRows = 11;
 
+// The tile paths' work items (chunks of rows by whole panels), each thread taking the next
+// item when it is done with one, so that a core the hypervisor or another process holds
+// back does not hold the call with a fixed share. Per thread: tiles configured by
+// `configure`; per item: body(item, acc) with acc the item's fp32 sums (rows by the
+// panel's outputs, zeros to start), then written to y.
+template <typename Out, typename Configure, typename Body>
+void run_tile_items(const WorkItems& items, Out* y, int64_t ldy, Configure&& configure,
+                    Body&& body) {
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    configure();
+    static thread_local std::vector<float> acc_buffer;
+    acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
+    float* acc = acc_buffer.data();
+    for (int64_t it; (it = next_item.fetch_add(1, std::memory_order_relaxed)) < items.count();) {
+      const WorkItems::Item item = items[it];
+      const int64_t ld_acc = item.NG * kGroup;
+      std::fill(acc, acc + item.rows * ld_acc, 0.f);
+      body(item, acc);
+      for (int64_t j = 0; j < item.rows; ++j)
+        store_row(y + (item.m0 + j) * ldy + item.col0, acc + j * ld_acc, item.cols);
+    }
+    _tile_release();
+  });
+}
+
 // q of pair 4u + s of a group's unit, 16 outputs' pairs as 16-bit integers (word 2o + e:
 // output o's element e): quants256's two halves in one vector.
 template <QType T>
@@ -1132,88 +1158,79 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
         row_sums[u * Mp + m] = sums[m * per_row + u];
       }
   });
-  const WorkItems items{sh, M, n, kAmxChunkRows, true};
-  // Each thread takes the next work item when it is done with one, so that a core the
-  // hypervisor or another process holds back does not hold the call with a fixed share.
-  std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    // tiles 0-3: two groups' sums of xl and of xh; 4, 5: xl, xh; 6, 7: two groups' quants
-    const uint8_t tr = static_cast<uint8_t>(tile_rows);
+  // tiles 0-3: two groups' sums of xl and of xh; 4, 5: xl, xh; 6, 7: two groups' quants
+  const uint8_t tr = static_cast<uint8_t>(tile_rows);
+  auto configure = [&] {
     pagedllm::configure_tiles({tr, tr, tr, tr, tr, tr, kRowsB, kRowsB},
                               {64, 64, 64, 64, width, width, 64, 64});
+  };
+  const WorkItems items{sh, M, n, kAmxChunkRows, true};
+  run_tile_items(items, y, ldy, configure, [&](const WorkItems::Item& item, float* acc) {
+    const auto [m0, rows, panel, G, g0, NG, col0, cols] = item;
+    const int64_t ld_acc = NG * kGroup;
+    const uint8_t* w = packed + panel * sh.panel_bytes;
+    const int64_t ahead = prefetch_distance<T>(G);
     // a unit's weight tiles, group after group; units alternate between two, so that
     // decoding the next unit does not wait for the tile loads of this one
     alignas(64) __m512i q[2][kPanelGroups * 8];
     alignas(64) int32_t c_tiles[4][16 * kGroup];
-    static thread_local std::vector<float> acc_buffer;
-    acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
-    float* acc = acc_buffer.data();
-    for (int64_t it; (it = next_item.fetch_add(1, std::memory_order_relaxed)) < items.count();) {
-      const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[it];
-      const int64_t ld_acc = NG * kGroup;
-      const uint8_t* w = packed + panel * sh.panel_bytes;
-      const int64_t ahead = prefetch_distance<T>(G);
-      std::fill(acc, acc + rows * ld_acc, 0.f);
-      for (int64_t b = 0; b < sh.blocks; ++b) {
-        const uint8_t* blk = w + b * G * kGroupBlock<T>;
-        for (int i = 0; i < kUnits<T>; ++i) {
-          const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
-          __m512i* qu = q[(b * kUnits<T> + i) % 2];
-          if (items.whole)
-            for (int u = 0; u < 4; ++u)
-              prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
-          for (int64_t g = 0; g < NG; ++g) quant_tiles_amx<T>(units + g * F::kUnit, qu + g * 8);
+    for (int64_t b = 0; b < sh.blocks; ++b) {
+      const uint8_t* blk = w + b * G * kGroupBlock<T>;
+      for (int i = 0; i < kUnits<T>; ++i) {
+        const uint8_t* units = blk + G * F::kHeader + (i * G + g0) * F::kUnit;
+        __m512i* qu = q[(b * kUnits<T> + i) % 2];
+        if (items.whole)
+          for (int u = 0; u < 4; ++u)
+            prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+        for (int64_t g = 0; g < NG; ++g) quant_tiles_amx<T>(units + g * F::kUnit, qu + g * 8);
 #pragma GCC unroll 2
-          for (int h = 0; h < kSubs; ++h) {
-            const int sub = i * kSubs + h;
-            const int64_t su = b * kUnits<T> * kSubs + sub;
-            __m512 s[kPanelGroups], c2[kPanelGroups];
-            for (int64_t g = 0; g < NG; ++g) scales_avx2_512<T>(blk + (g0 + g) * F::kHeader, sub, s[g], c2[g]);
-            for (int64_t m = 0; m < rows; m += 16) {
-              const int64_t t = (b * F::kBlock + i * kUnitInputs) / width + h;
-              const int64_t at = (t * (Mp / 16) + (m0 + m) / 16) * 16 * width;
-              _tile_loadd(4, xl + at, width);
-              _tile_loadd(5, xh + at, width);
-              const int64_t r = std::min<int64_t>(16, rows - m);
-              const float* rsc = row_scales + su * Mp + m0 + m;
-              const float* rsm = row_sums + su * Mp + m0 + m;
-              // one group's epilogue: its sums of xl and xh from c, into acc
-              auto finish = [&](const int32_t* cl, const int32_t* ch, int64_t g) {
-                float* a = acc + m * ld_acc + g * kGroup;
-                const __m512 sg = s[g], dg = c2[g];
-                for (int64_t j = 0; j < r; ++j, a += ld_acc) {
-                  const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + j * kGroup), 8),
-                                                     _mm512_load_si512(cl + j * kGroup));
-                  _mm512_storeu_ps(a, add_unit512<T>(_mm512_loadu_ps(a), p, sg, dg, rsc[j], rsm[j]));
-                }
-              };
-              for (int64_t g = 0; g < NG; g += 2) {
-                // group g on tiles 0, 1 (quants 6), group g + 1 on 2, 3 (7): the second's
-                // products run while the first's sums are stored and scaled
-                _tile_loadd(6, qu + g * 8 + h * kRowsB, 64);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_dpbusd(0, 4, 6);
-                _tile_dpbssd(1, 5, 6);
-                _tile_loadd(7, qu + (g + 1) * 8 + h * kRowsB, 64);
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_dpbusd(2, 4, 7);
-                _tile_dpbssd(3, 5, 7);
-                _tile_stored(0, c_tiles[0], 64);
-                _tile_stored(1, c_tiles[1], 64);
-                finish(c_tiles[0], c_tiles[1], g);
-                _tile_stored(2, c_tiles[2], 64);
-                _tile_stored(3, c_tiles[3], 64);
-                finish(c_tiles[2], c_tiles[3], g + 1);
+        for (int h = 0; h < kSubs; ++h) {
+          const int sub = i * kSubs + h;
+          const int64_t su = b * kUnits<T> * kSubs + sub;
+          __m512 s[kPanelGroups], c2[kPanelGroups];
+          for (int64_t g = 0; g < NG; ++g) scales_avx2_512<T>(blk + (g0 + g) * F::kHeader, sub, s[g], c2[g]);
+          for (int64_t m = 0; m < rows; m += 16) {
+            const int64_t t = (b * F::kBlock + i * kUnitInputs) / width + h;
+            const int64_t at = (t * (Mp / 16) + (m0 + m) / 16) * 16 * width;
+            _tile_loadd(4, xl + at, width);
+            _tile_loadd(5, xh + at, width);
+            const int64_t r = std::min<int64_t>(16, rows - m);
+            const float* rsc = row_scales + su * Mp + m0 + m;
+            const float* rsm = row_sums + su * Mp + m0 + m;
+            // one group's epilogue: its sums of xl and xh from c, into acc
+            auto finish = [&](const int32_t* cl, const int32_t* ch, int64_t g) {
+              float* a = acc + m * ld_acc + g * kGroup;
+              const __m512 sg = s[g], dg = c2[g];
+              for (int64_t j = 0; j < r; ++j, a += ld_acc) {
+                const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + j * kGroup), 8),
+                                                   _mm512_load_si512(cl + j * kGroup));
+                _mm512_storeu_ps(a, add_unit512<T>(_mm512_loadu_ps(a), p, sg, dg, rsc[j], rsm[j]));
               }
+            };
+            for (int64_t g = 0; g < NG; g += 2) {
+              // group g on tiles 0, 1 (quants 6), group g + 1 on 2, 3 (7): the second's
+              // products run while the first's sums are stored and scaled
+              _tile_loadd(6, qu + g * 8 + h * kRowsB, 64);
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_dpbusd(0, 4, 6);
+              _tile_dpbssd(1, 5, 6);
+              _tile_loadd(7, qu + (g + 1) * 8 + h * kRowsB, 64);
+              _tile_zero(2);
+              _tile_zero(3);
+              _tile_dpbusd(2, 4, 7);
+              _tile_dpbssd(3, 5, 7);
+              _tile_stored(0, c_tiles[0], 64);
+              _tile_stored(1, c_tiles[1], 64);
+              finish(c_tiles[0], c_tiles[1], g);
+              _tile_stored(2, c_tiles[2], 64);
+              _tile_stored(3, c_tiles[3], 64);
+              finish(c_tiles[2], c_tiles[3], g + 1);
             }
           }
         }
       }
-      for (int64_t j = 0; j < rows; ++j) store_row(y + (m0 + j) * ldy + col0, acc + j * ld_acc, cols);
     }
-    _tile_release();
   });
 }
 
@@ -1241,14 +1258,21 @@ void run_amx(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* y, int6
 template <QType T>
 constexpr bool kBf16Tiles = T == QType::Q4_K || T == QType::Q5_K || T == QType::Q6_K;
 
-// A unit's q' for NG groups of the units at `units`, pair p of group g at q[g][p].
+// Unit j of a whole panel of G groups at w (blocks after blocks) as weight tiles: its q',
+// pair p of group g at q[g][p], the panel prefetched `ahead` bytes on.
 template <QType T>
-inline void bf16_unit_tiles(const uint8_t* units, int64_t NG, __m512bh (*q)[16]) {
-  for (int64_t g = 0; g < NG; ++g)
+inline void bf16_unit_tiles(const uint8_t* w, int64_t G, int64_t ahead, int64_t j, __m512bh (*q)[16]) {
+  using F = Format<T>;
+  const uint8_t* blk = w + j / kUnits<T> * G * kGroupBlock<T>;
+  const int i = j % kUnits<T>;
+  for (int u = 0; u < 4; ++u)
+    prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
+  const uint8_t* units = blk + G * F::kHeader + i * G * F::kUnit;
+  for (int64_t g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u)
 #pragma GCC unroll 4
-      for (int s = 0; s < 4; ++s) q[g][4 * u + s] = decode512<T>(units + g * Format<T>::kUnit, u, s);
+      for (int s = 0; s < 4; ++s) q[g][4 * u + s] = decode512<T>(units + g * F::kUnit, u, s);
 }
 
 // Many rows (2 and up): work items of a chunk of rows by a whole panel, taken by each thread
@@ -1278,91 +1302,77 @@ void run_bf16_tiles(const at::Tensor& x_in, const uint8_t* packed, int64_t n, Ou
     for (int64_t m = 0; m < M; ++m)
       for (int64_t u = 0; u < per_row; ++u) unit_rows[u * Mp + m] = sums[m * per_row + u];
   }
-  const WorkItems items{sh, M, n, kAmxChunkRows, true};
-  std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    const uint8_t tr = static_cast<uint8_t>(std::min<int64_t>(M, 16));
+  const uint8_t tr = static_cast<uint8_t>(std::min<int64_t>(M, 16));
+  auto configure = [&] {
     pagedllm::configure_tiles({tr, kRowsB, kRowsB, kRowsB, kRowsB, tr, tr, tr},
                               {width * 2, 64, 64, 64, 64, 64, 64, 64});
-    alignas(64) __m512bh q[2][kPanelGroups][16];
+  };
+  const WorkItems items{sh, M, n, kAmxChunkRows, true};
+  run_tile_items(items, y, ldy, configure, [&](const WorkItems::Item& item, float* acc) {
+    const auto [m0, rows, panel, G, g0, NG, col0, cols] = item;
+    const int64_t ld_acc = NG * kGroup;
+    const uint8_t* w = packed + panel * sh.panel_bytes;
+    const int64_t ahead = prefetch_distance<T>(G);
+    const int64_t units = sh.blocks * kUnits<T>;
+    alignas(64) __m512bh q[2][kPanelGroups][16];  // unit j's q' in q[j % 2]
     alignas(64) float c_tiles[3][16 * kGroup];
-    static thread_local std::vector<float> acc_buffer;
-    acc_buffer.resize(kAmxChunkRows * kPanelGroups * kGroup);
-    float* acc = acc_buffer.data();
-    for (int64_t it; (it = next_item.fetch_add(1, std::memory_order_relaxed)) < items.count();) {
-      const auto [m0, rows, panel, G, g0, NG, col0, cols] = items[it];
-      const int64_t ld_acc = NG * kGroup;
-      const uint8_t* w = packed + panel * sh.panel_bytes;
-      const int64_t ahead = prefetch_distance<T>(G);
-      const int64_t units = sh.blocks * kUnits<T>;
-      auto decode = [&](int64_t j) {  // unit j of the panel into q[j % 2]
-        const uint8_t* blk = w + j / kUnits<T> * G * kGroupBlock<T>;
-        const int i = j % kUnits<T>;
-        for (int u = 0; u < 4; ++u)
-          prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
-        bf16_unit_tiles<T>(blk + G * F::kHeader + i * G * F::kUnit, NG, q[j % 2]);
-      };
-      std::fill(acc, acc + rows * ld_acc, 0.f);
-      decode(0);
-      for (int64_t j = 0; j < units; ++j) {
-        if (j + 1 < units) decode(j + 1);
-        const int64_t b = j / kUnits<T>;
-        const int i = j % kUnits<T>;
-        const uint8_t* blk = w + b * G * kGroupBlock<T>;
+    bf16_unit_tiles<T>(w, G, ahead, 0, q[0]);
+    for (int64_t j = 0; j < units; ++j) {
+      if (j + 1 < units) bf16_unit_tiles<T>(w, G, ahead, j + 1, q[(j + 1) % 2]);
+      const int64_t b = j / kUnits<T>;
+      const int i = j % kUnits<T>;
+      const uint8_t* blk = w + b * G * kGroupBlock<T>;
 #pragma GCC unroll 2
-        for (int h = 0; h < kSubs; ++h) {
-          const int sub = i * kSubs + h;
-          const int64_t su = b * kUnits<T> * kSubs + sub;
-          __m512 s[kPanelGroups], c[kPanelGroups];
-          for (int64_t g = 0; g < NG; ++g) scales512<T>(blk + g * F::kHeader, sub, s[g], c[g]);
-          _tile_loadd(1, &q[j % 2][0][h * kRowsB], 64);
-          _tile_loadd(2, &q[j % 2][1][h * kRowsB], 64);
+      for (int h = 0; h < kSubs; ++h) {
+        const int sub = i * kSubs + h;
+        const int64_t su = b * kUnits<T> * kSubs + sub;
+        __m512 s[kPanelGroups], c[kPanelGroups];
+        for (int64_t g = 0; g < NG; ++g) scales512<T>(blk + g * F::kHeader, sub, s[g], c[g]);
+        _tile_loadd(1, &q[j % 2][0][h * kRowsB], 64);
+        _tile_loadd(2, &q[j % 2][1][h * kRowsB], 64);
+        if (NG == 4) {
+          _tile_loadd(3, &q[j % 2][2][h * kRowsB], 64);
+          _tile_loadd(4, &q[j % 2][3][h * kRowsB], 64);
+        }
+        for (int64_t m = 0; m < rows; m += 16) {
+          _tile_loadd(0, xp + (m0 + m) * ldx + b * F::kBlock + i * kUnitInputs + h * width, ldx * 2);
+          const int64_t r = std::min<int64_t>(16, rows - m);
+          const float* xsum = F::kOffset ? unit_rows.data() + su * Mp + m0 + m : nullptr;
+          // group g's sums (at ct) scaled into acc
+          auto finish = [&](const float* ct, int64_t g) {
+            float* a = acc + m * ld_acc + g * kGroup;
+            for (int64_t row = 0; row < r; ++row, a += ld_acc) {
+              __m512 v = _mm512_fmadd_ps(_mm512_load_ps(ct + row * kGroup), s[g], _mm512_loadu_ps(a));
+              if constexpr (F::kOffset) v = _mm512_fmadd_ps(_mm512_set1_ps(xsum[row]), c[g], v);
+              _mm512_storeu_ps(a, v);
+            }
+          };
+          // each group's products on a sums tile while an earlier group's are scaled
+          _tile_zero(5);
+          _tile_dpbf16ps(5, 0, 1);
+          _tile_zero(6);
+          _tile_dpbf16ps(6, 0, 2);
+          _tile_stored(5, c_tiles[0], 64);
           if (NG == 4) {
-            _tile_loadd(3, &q[j % 2][2][h * kRowsB], 64);
-            _tile_loadd(4, &q[j % 2][3][h * kRowsB], 64);
+            _tile_zero(7);
+            _tile_dpbf16ps(7, 0, 3);
           }
-          for (int64_t m = 0; m < rows; m += 16) {
-            _tile_loadd(0, xp + (m0 + m) * ldx + b * F::kBlock + i * kUnitInputs + h * width, ldx * 2);
-            const int64_t r = std::min<int64_t>(16, rows - m);
-            const float* xsum = F::kOffset ? unit_rows.data() + su * Mp + m0 + m : nullptr;
-            // group g's sums (at ct) scaled into acc
-            auto finish = [&](const float* ct, int64_t g) {
-              float* a = acc + m * ld_acc + g * kGroup;
-              for (int64_t row = 0; row < r; ++row, a += ld_acc) {
-                __m512 v = _mm512_fmadd_ps(_mm512_load_ps(ct + row * kGroup), s[g], _mm512_loadu_ps(a));
-                if constexpr (F::kOffset) v = _mm512_fmadd_ps(_mm512_set1_ps(xsum[row]), c[g], v);
-                _mm512_storeu_ps(a, v);
-              }
-            };
-            // each group's products on a sums tile while an earlier group's are scaled
+          finish(c_tiles[0], 0);
+          _tile_stored(6, c_tiles[1], 64);
+          if (NG == 4) {
             _tile_zero(5);
-            _tile_dpbf16ps(5, 0, 1);
-            _tile_zero(6);
-            _tile_dpbf16ps(6, 0, 2);
+            _tile_dpbf16ps(5, 0, 4);
+          }
+          finish(c_tiles[1], 1);
+          if (NG == 4) {
+            _tile_stored(7, c_tiles[2], 64);
+            finish(c_tiles[2], 2);
             _tile_stored(5, c_tiles[0], 64);
-            if (NG == 4) {
-              _tile_zero(7);
-              _tile_dpbf16ps(7, 0, 3);
-            }
-            finish(c_tiles[0], 0);
-            _tile_stored(6, c_tiles[1], 64);
-            if (NG == 4) {
-              _tile_zero(5);
-              _tile_dpbf16ps(5, 0, 4);
-            }
-            finish(c_tiles[1], 1);
-            if (NG == 4) {
-              _tile_stored(7, c_tiles[2], 64);
-              finish(c_tiles[2], 2);
-              _tile_stored(5, c_tiles[0], 64);
-              finish(c_tiles[0], 3);
-            }
+            finish(c_tiles[0], 3);
           }
         }
       }
-      for (int64_t j = 0; j < rows; ++j) store_row(y + (m0 + j) * ldy + col0, acc + j * ld_acc, cols);
     }
-    _tile_release();
   });
 }
 
@@ -1392,13 +1402,6 @@ void row_bf16_tiles(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* 
       const int64_t units = sh.blocks * kUnits<T>;
       __m512 acc[kPanelGroups];
       for (int g = 0; g < kPanelGroups; ++g) acc[g] = _mm512_setzero_ps();
-      auto decode = [&](int64_t j) {
-        const uint8_t* blk = w + j / kUnits<T> * G * kGroupBlock<T>;
-        const int i = j % kUnits<T>;
-        for (int u = 0; u < 4; ++u)
-          prefetch_slice(blk + ahead, G * kGroupBlock<T>, i * 4 + u, kUnits<T> * 4);
-        bf16_unit_tiles<T>(blk + G * F::kHeader + i * G * F::kUnit, G, q[j % 2]);
-      };
       auto finish = [&](int64_t j) {  // unit j's sums (c_rows[j % 2]) scaled into acc
         const int64_t b = j / kUnits<T>;
         const int i = j % kUnits<T>;
@@ -1415,9 +1418,9 @@ void row_bf16_tiles(const at::Tensor& x, const uint8_t* packed, int64_t n, Out* 
           }
         }
       };
-      decode(0);
+      bf16_unit_tiles<T>(w, G, ahead, 0, q[0]);
       for (int64_t j = 0; j < units; ++j) {
-        if (j + 1 < units) decode(j + 1);
+        if (j + 1 < units) bf16_unit_tiles<T>(w, G, ahead, j + 1, q[(j + 1) % 2]);
         const int64_t b = j / kUnits<T>;
         const int i = j % kUnits<T>;
 #pragma GCC unroll 2
